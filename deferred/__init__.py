@@ -1,0 +1,14 @@
+"""deferred: run a Django function later, after its own delay, on plain RabbitMQ.
+
+    from deferred import task, defer
+
+    @task
+    def send_reminder(reminder_id): ...
+
+    defer(send_reminder, timedelta(hours=24), reminder.pk)
+"""
+
+from deferred.publishing import defer
+from deferred.tasks import Task, task
+
+__all__ = ["Task", "defer", "task"]

@@ -1,0 +1,503 @@
+"""All broker I/O. The only module that imports pika.
+
+pika's ``BlockingConnection`` is not thread-safe, so:
+
+* publishers keep one connection per thread (and per process: a connection
+  inherited through ``fork`` is never reused);
+* the worker's consuming connection lives on one I/O thread, and other threads
+  hand acks back to it with ``add_callback_threadsafe``.
+
+pika's exceptions are translated into the library's own, with messages that
+say what to do, so nothing outside this module needs to know pika.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from functools import lru_cache, partial
+from typing import Any
+
+import pika
+import pika.exceptions as px
+from pika.adapters.blocking_connection import BlockingChannel
+
+from deferred.topology import Plan, Queue
+
+logger = logging.getLogger("deferred.broker")
+
+PERSISTENT = pika.DeliveryMode.Persistent
+NOT_FOUND = 404
+PRECONDITION_FAILED = 406
+
+
+class BrokerError(Exception):
+    """Something went wrong talking to RabbitMQ."""
+
+
+class BrokerUnavailable(BrokerError):
+    """RabbitMQ could not be reached, or the connection was lost."""
+
+
+class TopologyNotDeclared(BrokerError):
+    """A message had nowhere to go: the exchanges or queues do not exist."""
+
+
+class TopologyConflict(BrokerError):
+    """A queue or exchange exists with other arguments than the plan's."""
+
+
+class PublishRefused(BrokerError):
+    """The broker refused a message (negative confirm), e.g. a full queue."""
+
+
+_CONNECTION_ERRORS = (px.AMQPConnectionError, px.ChannelWrongStateError, ConnectionError, OSError)
+
+_NOT_DECLARED_HINT = "Run `python manage.py declare_delay_topology` (once per deploy) to create it."
+
+
+def connect(url: str) -> pika.BlockingConnection:
+    """Open a connection, turning failures into ``BrokerUnavailable``."""
+    try:
+        return pika.BlockingConnection(pika.URLParameters(url))
+    except _CONNECTION_ERRORS as exc:
+        raise BrokerUnavailable(f"Cannot connect to RabbitMQ at {_safe_url(url)}: {exc!r}") from exc
+
+
+def _safe_url(url: str) -> str:
+    """The URL without its password, for messages and logs."""
+    params = pika.URLParameters(url)
+    return f"{params.host}:{params.port}{params.virtual_host and '/' + params.virtual_host}"
+
+
+# --------------------------------------------------------------------------- publishing
+
+
+class Publisher:
+    """Publishes with confirms and ``mandatory``; one connection per thread.
+
+    A web process may sit idle long enough for the broker to drop its
+    connection, so a publish that finds it gone reconnects once and tries
+    again. That retry can duplicate a message whose confirm was lost with the
+    connection, which is within the at-least-once guarantee.
+    """
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self._local = threading.local()
+
+    def _channel(self) -> BlockingChannel:
+        local = self._local
+        channel: BlockingChannel | None = getattr(local, "channel", None)
+        if channel is not None and local.pid == os.getpid() and channel.is_open:
+            return channel
+        self._forget()
+        connection = connect(self.url)
+        channel = connection.channel()
+        channel.confirm_delivery()
+        local.connection, local.channel, local.pid = connection, channel, os.getpid()
+        return channel
+
+    def _forget(self) -> None:
+        local = self._local
+        connection = getattr(local, "connection", None)
+        # A connection inherited through fork shares its socket with the parent:
+        # drop it without closing, or the parent's connection would be closed.
+        if connection is not None and local.pid == os.getpid():
+            try:
+                connection.close()
+            except Exception:  # noqa: BLE001 - already broken, nothing to save
+                pass
+        local.connection = local.channel = None
+        local.pid = None
+
+    def close(self) -> None:
+        """Close this thread's connection, if any."""
+        self._forget()
+
+    def publish(
+        self,
+        exchange: str,
+        routing_key: str,
+        body: bytes,
+        *,
+        message_id: str,
+        headers: dict[str, Any] | None = None,
+    ) -> None:
+        """Publish one persistent message and wait for the broker's confirm."""
+        properties = pika.BasicProperties(
+            content_type="application/json",
+            delivery_mode=PERSISTENT,
+            message_id=message_id,
+            headers=headers or None,
+        )
+        for attempt in (1, 2):
+            try:
+                channel = self._channel()
+                channel.basic_publish(exchange, routing_key, body, properties, mandatory=True)
+                return
+            except px.UnroutableError:
+                raise TopologyNotDeclared(
+                    f"The broker could not route the message to any queue (exchange "
+                    f"{exchange or '(default)'!r}, routing key {routing_key!r}): the delay "
+                    f"topology or the target queue is missing. {_NOT_DECLARED_HINT}"
+                ) from None
+            except px.NackError:
+                raise PublishRefused(
+                    f"RabbitMQ refused the message for exchange {exchange!r} (negative confirm)."
+                ) from None
+            except px.ChannelClosedByBroker as exc:
+                self._forget()
+                if exc.reply_code == NOT_FOUND:
+                    raise TopologyNotDeclared(
+                        f"RabbitMQ says: {exc.reply_text}. {_NOT_DECLARED_HINT}"
+                    ) from exc
+                raise BrokerError(f"RabbitMQ closed the channel: {exc.reply_text}") from exc
+            except BrokerUnavailable:
+                self._forget()
+                raise
+            except _CONNECTION_ERRORS as exc:
+                self._forget()
+                if attempt == 2:
+                    raise BrokerUnavailable(
+                        f"Lost the connection to RabbitMQ at {_safe_url(self.url)} while "
+                        f"publishing, twice: {exc!r}"
+                    ) from exc
+                logger.warning("Connection to RabbitMQ lost (%r); reconnecting once.", exc)
+
+
+@lru_cache(maxsize=4)
+def publisher(url: str) -> Publisher:
+    """The process-wide publisher for ``url``."""
+    return Publisher(url)
+
+
+# --------------------------------------------------------------------------- administration
+
+
+@dataclass
+class DeclareReport:
+    created: list[str] = field(default_factory=list)
+    existing: list[str] = field(default_factory=list)
+    bindings: int = 0
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.created)
+
+
+@contextmanager
+def admin_channel(url: str) -> Iterator[Admin]:
+    """A short-lived connection for declaring, inspecting and removing topologies."""
+    connection = connect(url)
+    try:
+        yield Admin(connection)
+    finally:
+        try:
+            connection.close()
+        except Exception:  # noqa: BLE001 - the work is done or already failed
+            pass
+
+
+class Admin:
+    """Declaring, inspecting and deleting exchanges and queues.
+
+    A passive declare of something missing makes RabbitMQ close the channel,
+    so each probe that may fail gets a fresh channel.
+    """
+
+    def __init__(self, connection: pika.BlockingConnection) -> None:
+        self.connection = connection
+        self.channel = connection.channel()
+
+    def _reopen(self) -> None:
+        if not self.channel.is_open:
+            self.channel = self.connection.channel()
+
+    def queue_exists(self, name: str) -> bool:
+        return self.message_count(name) is not None
+
+    def message_count(self, name: str) -> int | None:
+        """Messages ready in queue ``name``, or ``None`` if it does not exist."""
+        try:
+            frame = self.channel.queue_declare(name, passive=True)
+        except px.ChannelClosedByBroker as exc:
+            self._reopen()
+            if exc.reply_code == NOT_FOUND:
+                return None
+            raise BrokerError(f"Cannot inspect queue {name!r}: {exc.reply_text}") from exc
+        return int(frame.method.message_count)
+
+    def exchange_exists(self, name: str) -> bool:
+        try:
+            self.channel.exchange_declare(name, passive=True)
+        except px.ChannelClosedByBroker as exc:
+            self._reopen()
+            if exc.reply_code == NOT_FOUND:
+                return False
+            raise BrokerError(f"Cannot inspect exchange {name!r}: {exc.reply_text}") from exc
+        return True
+
+    def declare_queue(self, queue: Queue) -> None:
+        try:
+            self.channel.queue_declare(queue.name, durable=True, arguments=queue.arguments)
+        except px.ChannelClosedByBroker as exc:
+            self._reopen()
+            if exc.reply_code == PRECONDITION_FAILED:
+                raise TopologyConflict(
+                    f"Queue {queue.name!r} already exists with other arguments than "
+                    f"{queue.arguments!r} (RabbitMQ: {exc.reply_text}). Queue arguments cannot "
+                    "change in place. If it is a delay queue, something else declared it; if "
+                    "it is a ready or failed queue (e.g. after changing QUEUE_TYPE), stop the "
+                    "workers, let it drain, delete it (`rabbitmqctl delete_queue "
+                    f"{queue.name}`) and run declare_delay_topology again."
+                ) from exc
+            raise BrokerError(f"Cannot declare queue {queue.name!r}: {exc.reply_text}") from exc
+
+    def declare(self, plan: Plan) -> DeclareReport:
+        """Create whatever of ``plan`` is missing; idempotent."""
+        report = DeclareReport()
+        # Shared queues first: a conflict there is the likeliest, and should
+        # stop us before anything of the new topology exists.
+        for queue in (*plan.shared_queues, *plan.delay_queues):
+            exists = self.queue_exists(queue.name)
+            self.declare_queue(queue)
+            (report.existing if exists else report.created).append(f"queue {queue.name}")
+        for exchange in plan.exchanges:
+            exists = self.exchange_exists(exchange.name)
+            self.channel.exchange_declare(exchange.name, exchange.type, durable=True)
+            (report.existing if exists else report.created).append(f"exchange {exchange.name}")
+        for binding in plan.bindings:
+            if binding.destination_type == "exchange":
+                self.channel.exchange_bind(binding.destination, binding.source, binding.routing_key)
+            else:
+                self.channel.queue_bind(binding.destination, binding.source, binding.routing_key)
+            report.bindings += 1
+        if plan.topology_id not in {r["topology"] for r in self.topology_records(plan)}:
+            self.channel.basic_publish(
+                "",
+                plan.registry_queue.name,
+                plan.record().encode(),
+                pika.BasicProperties(delivery_mode=PERSISTENT, content_type="application/json"),
+            )
+        return report
+
+    def topology_records(self, plan: Plan) -> list[dict[str, Any]]:
+        """The topologies declared under ``plan``'s prefix, as recorded in its registry.
+
+        AMQP cannot list queues, so each declared topology leaves a small
+        persistent message in a registry queue. Reading them takes them
+        unacked and closing the channel puts them back.
+        """
+        if not self.queue_exists(plan.registry_queue.name):
+            return []
+        channel = self.connection.channel()
+        records: dict[str, dict[str, Any]] = {}
+        try:
+            while True:
+                method, _props, body = channel.basic_get(plan.registry_queue.name)
+                if method is None:
+                    break
+                try:
+                    record = json.loads(body)
+                    records.setdefault(record["topology"], record)
+                except (ValueError, KeyError, TypeError):
+                    logger.warning("Ignoring an unreadable topology record: %r", body[:200])
+        finally:
+            channel.close()
+        return list(records.values())
+
+    def forget_topology(self, plan: Plan, topology_id: str) -> None:
+        """Remove ``topology_id``'s record(s) from the registry."""
+        channel = self.connection.channel()
+        try:
+            while True:
+                method, _props, body = channel.basic_get(plan.registry_queue.name)
+                if method is None:
+                    break
+                try:
+                    mine = json.loads(body).get("topology") == topology_id
+                except (ValueError, AttributeError):
+                    mine = False
+                if mine:
+                    channel.basic_ack(method.delivery_tag)
+        finally:
+            channel.close()  # the others go back to the registry
+
+    def pending(self, plan: Plan) -> int | None:
+        """Messages waiting in ``plan``'s delay queues; ``None`` if none of them exists."""
+        counts = [self.message_count(q.name) for q in plan.delay_queues]
+        present = [c for c in counts if c is not None]
+        return sum(present) if present else None
+
+    def remove(self, plan: Plan) -> None:
+        """Delete an empty topology; ``BrokerError`` if a message is still waiting in it.
+
+        The ingest exchange goes first, so nothing new can enter; each queue is
+        then deleted only if empty (the broker checks atomically), highest
+        level first, which is the direction messages flow.
+        """
+        waiting = self.pending(plan)
+        if waiting:
+            raise BrokerError(f"{waiting} job(s) still wait in topology {plan.topology_id}.")
+        self.channel.exchange_delete(plan.ingest_exchange)
+        for queue in plan.delay_queues:
+            try:
+                self.channel.queue_delete(queue.name, if_empty=True)
+            except px.ChannelClosedByBroker as exc:
+                self._reopen()
+                raise BrokerError(
+                    f"Queue {queue.name!r} received messages meanwhile and was kept: "
+                    f"{exc.reply_text}. Run the removal again once it is empty."
+                ) from exc
+        for exchange in plan.exchanges:
+            self.channel.exchange_delete(exchange.name)
+        self.forget_topology(plan, plan.topology_id)
+
+    def delete_everything(self, plan: Plan) -> None:
+        """Delete the topology and its shared queues, messages included (tests only)."""
+        for queue in (*plan.delay_queues, *plan.shared_queues):
+            self.channel.queue_delete(queue.name)
+        for exchange in plan.exchanges:
+            self.channel.exchange_delete(exchange.name)
+
+
+# --------------------------------------------------------------------------- consuming
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """One message handed to the worker, with what is needed to ack it later."""
+
+    body: bytes
+    tag: int
+    queue: str
+    redelivered: bool
+    #: Which connection the tag belongs to: tags of a lost connection are void.
+    generation: int
+    headers: dict[str, Any]
+
+
+class Consumer:
+    """The worker's single consuming connection, driven from one I/O thread."""
+
+    def __init__(self, url: str, queues: list[str], prefetch: int) -> None:
+        self.url = url
+        self.queues = queues
+        self.prefetch = prefetch
+        self.generation = 0
+        self._connection: pika.BlockingConnection | None = None
+        self._channel: BlockingChannel | None = None
+        self._tags: list[str] = []
+
+    def start(self, on_delivery: Callable[[Delivery], None]) -> None:
+        """Connect and start consuming; ``BrokerUnavailable`` or ``TopologyNotDeclared``."""
+        self.close()
+        connection = connect(self.url)
+        try:
+            channel = connection.channel()
+            channel.basic_qos(prefetch_count=self.prefetch)
+            for queue in self.queues:
+                try:
+                    channel.queue_declare(queue, passive=True)
+                except px.ChannelClosedByBroker as exc:
+                    raise TopologyNotDeclared(
+                        f"Queue {queue!r} does not exist ({exc.reply_text}). {_NOT_DECLARED_HINT}"
+                    ) from exc
+            self.generation += 1
+            generation = self.generation
+            for queue in self.queues:
+
+                def callback(
+                    ch: BlockingChannel, method: Any, props: Any, body: bytes, queue: str = queue
+                ) -> None:
+                    on_delivery(
+                        Delivery(
+                            body=body,
+                            tag=method.delivery_tag,
+                            queue=queue,
+                            redelivered=bool(method.redelivered),
+                            generation=generation,
+                            headers=dict(props.headers or {}),
+                        )
+                    )
+
+                self._tags.append(channel.basic_consume(queue, callback))
+        except BaseException:
+            _close_quietly(connection)
+            raise
+        self._connection, self._channel = connection, channel
+
+    def poll(self, seconds: float) -> None:
+        """Deliver messages and run queued callbacks for up to ``seconds``."""
+        if self._connection is None:
+            raise BrokerUnavailable("Not connected.")
+        try:
+            self._connection.process_data_events(time_limit=seconds)
+        except (*_CONNECTION_ERRORS, px.AMQPChannelError) as exc:
+            self._drop()
+            raise BrokerUnavailable(f"Lost the connection to RabbitMQ: {exc!r}") from exc
+
+    def cancel(self) -> None:
+        """Stop receiving new messages; unacked ones stay with us until acked."""
+        channel, self._tags = self._channel, []
+        if channel is None or not channel.is_open:
+            return
+        try:
+            for tag in channel.consumer_tags:
+                channel.basic_cancel(tag)
+        except (*_CONNECTION_ERRORS, px.AMQPChannelError) as exc:
+            self._drop()
+            raise BrokerUnavailable(f"Lost the connection to RabbitMQ: {exc!r}") from exc
+
+    def settle_threadsafe(self, delivery: Delivery, *, ack: bool, requeue: bool = True) -> bool:
+        """Ack (or reject) ``delivery`` from any thread; ``False`` if its connection is gone.
+
+        When the connection that delivered a message is gone, the broker has
+        already put the message back for redelivery: acking it on a new
+        connection would ack a different message, so it is dropped here.
+        """
+        connection = self._connection
+        if connection is None or delivery.generation != self.generation:
+            return False
+        try:
+            connection.add_callback_threadsafe(partial(self._settle, delivery, ack, requeue))
+        except (*_CONNECTION_ERRORS, px.AMQPChannelError):
+            return False
+        return True
+
+    def _settle(self, delivery: Delivery, ack: bool, requeue: bool) -> None:
+        channel = self._channel
+        if channel is None or not channel.is_open or delivery.generation != self.generation:
+            logger.warning(
+                "Could not settle delivery %s: its connection is gone; RabbitMQ redelivers it.",
+                delivery.tag,
+            )
+            return
+        if ack:
+            channel.basic_ack(delivery.tag)
+        else:
+            channel.basic_nack(delivery.tag, requeue=requeue)
+
+    def _drop(self) -> None:
+        connection = self._connection
+        self._connection = self._channel = None
+        self._tags = []
+        if connection is not None:
+            _close_quietly(connection)
+
+    def close(self) -> None:
+        self._drop()
+
+
+def _close_quietly(connection: pika.BlockingConnection) -> None:
+    try:
+        if connection.is_open:
+            connection.close()
+    except Exception:  # noqa: BLE001 - closing a broken connection
+        pass

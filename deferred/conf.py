@@ -1,0 +1,190 @@
+"""The ``DEFERRED`` setting, read once into a frozen, validated object.
+
+Every other module asks :func:`get_settings` instead of reading
+``django.conf.settings`` itself, so the rules for what a valid value is live in
+one place, bad values surface as ``ImproperlyConfigured`` (and in
+``manage.py check``), and tests that use ``override_settings`` see the new value
+because the cache is dropped on Django's ``setting_changed`` signal.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from datetime import timedelta
+from functools import lru_cache
+from typing import Any
+
+from django.conf import settings as django_settings
+from django.core.exceptions import ImproperlyConfigured
+from django.core.signals import setting_changed
+from django.dispatch import receiver
+
+from deferred.topology import MAX_TTL_MS, TopologyError, plan_topology
+
+DEFAULTS: dict[str, Any] = {
+    "BROKER_URL": "amqp://guest:guest@127.0.0.1:5672/%2F",
+    "PREFIX": "deferred",
+    # Ten years: the largest TTL RabbitMQ accepts on a single queue, so no
+    # queue of the topology ever needs a TTL the broker would refuse.
+    "MAX_DELAY": timedelta(milliseconds=MAX_TTL_MS),
+    "RADIX": 2,
+    "RESOLUTION": timedelta(milliseconds=1),
+    "QUEUE_TYPE": "classic",
+    "QUEUES": ["default"],
+}
+
+QUEUE_TYPES = ("classic", "quorum")
+MAX_RADIX = 64
+
+# Exchange and queue names: AMQP allows up to 255 bytes of any characters, but
+# a conservative alphabet keeps them usable in shells, URLs and rabbitmqctl.
+_PREFIX_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$")
+# Target queue names become one word of a routing key, so no dots (a topic
+# pattern "#.b" also matches "a.b") and nothing a topic pattern treats specially.
+_QUEUE_RE = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+def validate_queue_name(queue: object) -> None:
+    """Raise ``ValueError`` unless ``queue`` can be a target queue name."""
+    if not isinstance(queue, str) or not _QUEUE_RE.match(queue) or len(queue) > 100:
+        raise ValueError(
+            "A queue name must be 1-100 letters, digits, '_' or '-' (no dots: the name "
+            f"is one word of a routing key); got {queue!r}."
+        )
+
+
+@dataclass(frozen=True)
+class DeferredSettings:
+    """The validated ``DEFERRED`` setting; durations are whole milliseconds."""
+
+    broker_url: str
+    prefix: str
+    max_delay_ms: int
+    radix: int
+    resolution_ms: int
+    queue_type: str
+    queues: tuple[str, ...]
+
+    @property
+    def default_queue(self) -> str:
+        """The queue a task goes to when neither it nor the call names one."""
+        return self.queues[0]
+
+
+def _duration_ms(name: str, value: Any) -> float:
+    """Turn a ``timedelta`` or a number of seconds into milliseconds."""
+    if isinstance(value, timedelta):
+        return value / timedelta(milliseconds=1)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ImproperlyConfigured(
+            f"DEFERRED[{name!r}] must be a timedelta or a number of seconds, got {value!r}."
+        )
+    if not math.isfinite(value):
+        raise ImproperlyConfigured(f"DEFERRED[{name!r}] must be finite, got {value!r}.")
+    return value * 1000
+
+
+
+def _build(raw: Any) -> DeferredSettings:
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ImproperlyConfigured(f"DEFERRED must be a dict, got {type(raw).__name__}.")
+    unknown = sorted(set(raw) - set(DEFAULTS))
+    if unknown:
+        raise ImproperlyConfigured(
+            f"Unknown key(s) in DEFERRED: {', '.join(unknown)}. "
+            f"Known keys: {', '.join(sorted(DEFAULTS))}."
+        )
+    values = {**DEFAULTS, **raw}
+
+    broker_url = values["BROKER_URL"]
+    if not isinstance(broker_url, str) or not broker_url.startswith(("amqp://", "amqps://")):
+        raise ImproperlyConfigured(
+            f"DEFERRED['BROKER_URL'] must be an amqp:// or amqps:// URL, got {broker_url!r}."
+        )
+
+    prefix = values["PREFIX"]
+    if not isinstance(prefix, str) or not _PREFIX_RE.match(prefix) or len(prefix) > 100:
+        raise ImproperlyConfigured(
+            "DEFERRED['PREFIX'] must be 1-100 characters of letters, digits, '_', '.', ':' "
+            f"or '-', starting with a letter or digit; got {prefix!r}."
+        )
+
+    radix = values["RADIX"]
+    if isinstance(radix, bool) or not isinstance(radix, int) or not 2 <= radix <= MAX_RADIX:
+        raise ImproperlyConfigured(
+            f"DEFERRED['RADIX'] must be an integer from 2 to {MAX_RADIX}, got {radix!r}."
+        )
+
+    resolution = _duration_ms("RESOLUTION", values["RESOLUTION"])
+    if resolution < 1 or resolution != int(resolution):
+        raise ImproperlyConfigured(
+            "DEFERRED['RESOLUTION'] must be a whole number of milliseconds, at least 1 ms "
+            f"(RabbitMQ TTLs are whole milliseconds); got {values['RESOLUTION']!r}."
+        )
+    resolution_ms = int(resolution)
+
+    max_delay = _duration_ms("MAX_DELAY", values["MAX_DELAY"])
+    if max_delay < resolution_ms:
+        raise ImproperlyConfigured(
+            f"DEFERRED['MAX_DELAY'] must be at least the resolution ({resolution_ms} ms); "
+            f"got {values['MAX_DELAY']!r}."
+        )
+    if max_delay > MAX_TTL_MS:
+        raise ImproperlyConfigured(
+            "DEFERRED['MAX_DELAY'] must be at most 10 years (3650 days), the longest TTL "
+            f"RabbitMQ accepts on a queue; got {values['MAX_DELAY']!r}."
+        )
+    max_delay_ms = int(max_delay)
+
+    queue_type = values["QUEUE_TYPE"]
+    if queue_type not in QUEUE_TYPES:
+        raise ImproperlyConfigured(
+            f"DEFERRED['QUEUE_TYPE'] must be one of {', '.join(QUEUE_TYPES)}; got {queue_type!r}."
+        )
+
+    queues = values["QUEUES"]
+    if isinstance(queues, str) or not isinstance(queues, list | tuple) or not queues:
+        raise ImproperlyConfigured(
+            f"DEFERRED['QUEUES'] must be a non-empty list of queue names, got {queues!r}."
+        )
+    for queue in queues:
+        try:
+            validate_queue_name(queue)
+        except ValueError as exc:
+            raise ImproperlyConfigured(f"DEFERRED['QUEUES']: {exc}") from exc
+    if len(set(queues)) != len(queues):
+        raise ImproperlyConfigured(f"DEFERRED['QUEUES'] has duplicates: {queues!r}.")
+
+    result = DeferredSettings(
+        broker_url=broker_url,
+        prefix=prefix,
+        max_delay_ms=max_delay_ms,
+        radix=radix,
+        resolution_ms=resolution_ms,
+        queue_type=queue_type,
+        queues=tuple(queues),
+    )
+    # The plan enforces the limits that depend on several values at once
+    # (routing-key length); building it here makes them configuration errors.
+    try:
+        plan_topology(result)
+    except TopologyError as exc:
+        raise ImproperlyConfigured(str(exc)) from exc
+    return result
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> DeferredSettings:
+    """Return the validated ``DEFERRED`` setting (cached until it changes)."""
+    return _build(getattr(django_settings, "DEFERRED", None))
+
+
+@receiver(setting_changed)
+def _reset(*, setting: str, **kwargs: Any) -> None:
+    if setting == "DEFERRED":
+        get_settings.cache_clear()
+        plan_topology.cache_clear()

@@ -1,0 +1,115 @@
+"""A job as it travels through the broker: a small, versioned JSON document.
+
+JSON rather than pickle: a message is data, never code, and a job deferred
+by one release of an application can be read by the next one. The ``version``
+field lets a later format be introduced without breaking jobs still waiting.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
+from typing import Any
+
+FORMAT_VERSION = 1
+
+
+class BrokenMessage(ValueError):
+    """A message body that is not a job this version can run."""
+
+
+def new_job_id() -> str:
+    return uuid.uuid4().hex
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+@dataclass(frozen=True)
+class Job:
+    id: str
+    task: str
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    #: The moment before which the job must not run (UTC).
+    due: datetime
+    queue: str
+    #: 1 on the first run.
+    attempt: int = 1
+    created: datetime = field(default_factory=utcnow)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "version": FORMAT_VERSION,
+            "id": self.id,
+            "task": self.task,
+            "args": list(self.args),
+            "kwargs": self.kwargs,
+            "due": self.due.isoformat(),
+            "attempt": self.attempt,
+            "queue": self.queue,
+            "created": self.created.isoformat(),
+        }
+
+    def encode(self) -> bytes:
+        """The message body. ``TypeError`` if the arguments are not plain JSON."""
+        try:
+            return json.dumps(self.to_dict(), allow_nan=False, separators=(",", ":")).encode()
+        except (TypeError, ValueError) as exc:
+            raise TypeError(
+                f"The arguments of task {self.task!r} must be JSON-serialisable "
+                f"(str, int, float, bool, None, list, dict with str keys): {exc}"
+            ) from exc
+
+    def next_attempt(self, due: datetime) -> Job:
+        return replace(self, attempt=self.attempt + 1, due=due)
+
+    @classmethod
+    def decode(cls, body: bytes) -> Job:
+        """Parse a message body; ``BrokenMessage`` says what is wrong with it."""
+        try:
+            data = json.loads(body)
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise BrokenMessage(f"the body is not JSON: {exc}") from exc
+        if not isinstance(data, dict):
+            raise BrokenMessage("the body is not a JSON object")
+        version = data.get("version")
+        if version != FORMAT_VERSION:
+            raise BrokenMessage(f"unsupported format version {version!r}")
+        try:
+            job = cls(
+                id=_typed(data, "id", str),
+                task=_typed(data, "task", str),
+                args=tuple(_typed(data, "args", list)),
+                kwargs=_typed(data, "kwargs", dict),
+                due=_moment(data, "due"),
+                queue=_typed(data, "queue", str),
+                attempt=_typed(data, "attempt", int),
+                created=_moment(data, "created"),
+            )
+        except KeyError as exc:
+            raise BrokenMessage(f"missing field {exc}") from None
+        if job.attempt < 1:
+            raise BrokenMessage(f"attempt must be at least 1, got {job.attempt}")
+        return job
+
+
+def _typed(data: dict[str, Any], key: str, kind: type) -> Any:
+    value = data[key]
+    if not isinstance(value, kind) or isinstance(value, bool) and kind is int:
+        raise BrokenMessage(f"field {key!r} must be {kind.__name__}, got {value!r}")
+    return value
+
+
+def _moment(data: dict[str, Any], key: str) -> datetime:
+    value = _typed(data, key, str)
+    try:
+        moment = datetime.fromisoformat(value)
+    except ValueError:
+        raise BrokenMessage(f"field {key!r} is not an ISO 8601 time: {value!r}") from None
+    if moment.tzinfo is None:
+        raise BrokenMessage(f"field {key!r} has no time zone: {value!r}")
+    return moment

@@ -1,0 +1,59 @@
+"""Run the deferred-jobs worker until SIGTERM or SIGINT."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Any
+
+from django.core.exceptions import ImproperlyConfigured
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from deferred.worker import Worker
+
+_LEVELS = {0: logging.WARNING, 1: logging.INFO, 2: logging.DEBUG, 3: logging.DEBUG}
+
+
+def _positive_int(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {number}")
+    return number
+
+
+class Command(BaseCommand):
+    help = (
+        "Consume the ready queues and run deferred jobs. SIGTERM/SIGINT finish the running "
+        "jobs, then exit 0."
+    )
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument(
+            "--queue",
+            action="append",
+            dest="queues",
+            metavar="NAME",
+            help="A queue of DEFERRED['QUEUES'] to consume (repeatable; default: all of them).",
+        )
+        parser.add_argument(
+            "--concurrency",
+            type=_positive_int,
+            default=1,
+            help="Jobs run at once, in threads (default 1).",
+        )
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        logger = logging.getLogger("deferred")
+        logger.setLevel(_LEVELS.get(options["verbosity"], logging.INFO))
+        if not logger.handlers and not logging.getLogger().handlers:
+            handler = logging.StreamHandler(self.stderr._out)
+            handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
+            logger.addHandler(handler)
+        try:
+            worker = Worker(queues=options["queues"], concurrency=options["concurrency"])
+        except (ImproperlyConfigured, ValueError) as exc:
+            raise CommandError(str(exc)) from exc
+        worker.run()

@@ -1,0 +1,177 @@
+"""The ``@task`` decorator and the registry of task functions.
+
+The worker runs only functions registered here, looked up by the name a
+message carries; it never imports a dotted path named by a message, so a
+message forged on the broker cannot make the worker run arbitrary code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Callable
+from datetime import datetime, timedelta
+from typing import Any, Generic, ParamSpec, TypeVar, overload
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+class UnknownTask(LookupError, ValueError):
+    """No task is registered under that name (``ValueError`` for ``defer``'s callers)."""
+
+
+class DuplicateTask(ValueError):
+    """Two functions were registered under one task name."""
+
+
+_registry: dict[str, Task[..., Any]] = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """Per-call options, kept apart from the task's own arguments.
+
+    Set through :meth:`Task.using`; ``None`` means "the task's or the
+    settings' default".
+    """
+
+    queue: str | None = None
+
+
+class Task(Generic[P, R]):
+    """A registered function. Calling it runs the function here and now."""
+
+    def __init__(
+        self,
+        func: Callable[P, R],
+        *,
+        name: str,
+        queue: str | None = None,
+        options: Options | None = None,
+    ) -> None:
+        self.func = func
+        self.name = name
+        #: The queue chosen with ``@task(queue=...)``; ``None``: the first of DEFERRED['QUEUES'].
+        self.queue = queue
+        self.options = options or Options()
+        self.__wrapped__ = func
+        self.__doc__ = func.__doc__
+        self.__name__ = getattr(func, "__name__", name)
+        self.__qualname__ = getattr(func, "__qualname__", name)
+        self.__module__ = getattr(func, "__module__", __name__)
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
+        return self.func(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"<Task {self.name}>"
+
+    def using(self, *, queue: str | None = None) -> Task[P, R]:
+        """A copy of this task with per-call options, e.g. ``t.using(queue="bulk").defer(5)``.
+
+        Options never travel in ``**kwargs``, so a task may have an argument
+        called ``queue`` of its own.
+        """
+        options = dataclasses.replace(self.options, queue=queue)
+        return Task(self.func, name=self.name, queue=self.queue, options=options)
+
+    def defer(
+        self, delay: int | float | timedelta | datetime, /, *args: P.args, **kwargs: P.kwargs
+    ) -> str:
+        """Shorthand for ``deferred.defer(self, delay, *args, **kwargs)``."""
+        from deferred.publishing import defer
+
+        return defer(self, delay, *args, **kwargs)
+
+    @property
+    def target_queue(self) -> str | None:
+        """The queue this call goes to, or ``None`` for the settings' default."""
+        return self.options.queue or self.queue
+
+    def check_arguments(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Raise ``TypeError`` now if the function could not be called with these.
+
+        Better at ``defer()`` time, in the caller's traceback, than hours
+        later in the worker.
+        """
+        try:
+            signature = inspect.signature(self.func)
+        except (TypeError, ValueError):  # builtins without a signature
+            return
+        try:
+            signature.bind(*args, **kwargs)
+        except TypeError as exc:
+            raise TypeError(f"Bad arguments for task {self.name!r}: {exc}") from exc
+
+
+@overload
+def task(func: Callable[P, R], /) -> Task[P, R]: ...
+
+
+@overload
+def task(
+    *, name: str | None = None, queue: str | None = None
+) -> Callable[[Callable[P, R]], Task[P, R]]: ...
+
+
+def task(
+    func: Callable[P, R] | None = None,
+    /,
+    *,
+    name: str | None = None,
+    queue: str | None = None,
+) -> Task[P, R] | Callable[[Callable[P, R]], Task[P, R]]:
+    """Register a function as a task: ``@task`` or ``@task(name=..., queue=...)``.
+
+    The name defaults to ``module.qualname``; it is what messages carry, so
+    give long-lived tasks an explicit name that survives refactoring.
+    """
+
+    def decorate(f: Callable[P, R]) -> Task[P, R]:
+        if isinstance(f, Task):
+            raise TypeError(f"{f!r} is already a task.")
+        if not callable(f):
+            raise TypeError(f"@task needs a function, got {f!r}.")
+        task_name = name if name is not None else f"{f.__module__}.{f.__qualname__}"
+        if not isinstance(task_name, str) or not task_name:
+            raise ValueError(f"A task name must be a non-empty string, got {task_name!r}.")
+        if queue is not None:
+            from deferred.conf import validate_queue_name
+
+            validate_queue_name(queue)
+        existing = _registry.get(task_name)
+        if existing is not None and existing.func is not f:
+            raise DuplicateTask(
+                f"A task named {task_name!r} is already registered ({existing.func!r}); "
+                "give one of them another name with @task(name=...)."
+            )
+        registered = Task(f, name=task_name, queue=queue)
+        _registry[task_name] = registered
+        return registered
+
+    if func is not None:
+        return decorate(func)
+    return decorate
+
+
+def get_task(name: str) -> Task[..., Any]:
+    """The task registered under ``name``; ``UnknownTask`` if there is none."""
+    try:
+        return _registry[name]
+    except KeyError:
+        raise UnknownTask(
+            f"No task is registered under the name {name!r}. Tasks are registered by "
+            "@task in a module that has been imported (tasks.py of an installed app is "
+            "imported automatically)."
+        ) from None
+
+
+def registered_tasks() -> dict[str, Task[..., Any]]:
+    """A snapshot of the registry, by name."""
+    return dict(_registry)
+
+
+def unregister(name: str) -> None:
+    """Forget a task (for tests that register throwaway tasks)."""
+    _registry.pop(name, None)

@@ -1,0 +1,305 @@
+"""The delay topology as data: a pure function of the settings, no broker I/O.
+
+A delay of ``D`` units (``RESOLUTION`` each) is written in base ``b`` with ``L``
+digits. For every level ``i`` and digit ``d`` in ``1..b-1`` there is one queue
+whose messages all share the TTL ``d * b**i`` units. Because every message in a
+queue has the same TTL, the queue expires them in FIFO order, which is due
+order: this is what avoids the head-of-line blocking of per-message TTLs.
+
+A message carries its digits in the routing key (highest level first, then the
+target queue name, e.g. ``0.0.1.0.1.default``) and visits one queue per non-zero
+digit, highest first. Each level dead-letters into its own topic exchange,
+whose bindings send the message on to the next non-zero digit, or, once none is
+left, to the dispatch exchange that routes it to the ready queue of its target.
+
+Everything that defines the routing (radix, resolution, level count, queue
+type) is part of the names, so a changed setting declares a new topology beside
+the old one instead of clashing with it; both drain into the same ready queues.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from deferred.conf import DeferredSettings
+
+#: RabbitMQ refuses an ``x-message-ttl`` above this many milliseconds (10 years).
+MAX_TTL_MS = 315_360_000_000
+#: AMQP 0-9-1 routing keys are short strings: at most 255 bytes.
+MAX_ROUTING_KEY_BYTES = 255
+
+
+class TopologyError(ValueError):
+    """The settings describe a topology RabbitMQ cannot hold."""
+
+
+@dataclass(frozen=True)
+class Exchange:
+    name: str
+    type: str = "topic"
+
+
+@dataclass(frozen=True)
+class Queue:
+    name: str
+    arguments: dict[str, Any] = field(default_factory=dict)
+    #: The TTL in milliseconds of a delay queue; ``None`` for ready/failed queues.
+    ttl_ms: int | None = None
+    level: int | None = None
+    digit: int | None = None
+
+
+@dataclass(frozen=True)
+class Binding:
+    source: str
+    destination: str
+    routing_key: str
+    #: ``"queue"`` or ``"exchange"`` (an exchange-to-exchange binding).
+    destination_type: str = "queue"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Every exchange, queue and binding of one topology, plus the shared queues."""
+
+    prefix: str
+    topology_id: str
+    radix: int
+    resolution_ms: int
+    levels: int
+    max_delay_ms: int
+    queue_type: str
+    ingest_exchange: str
+    dispatch_exchange: str
+    #: Owned by this topology; removed with it once it is empty.
+    exchanges: tuple[Exchange, ...]
+    delay_queues: tuple[Queue, ...]
+    bindings: tuple[Binding, ...]
+    #: Shared by every topology of the prefix; never removed by the library.
+    ready_queues: dict[str, Queue]
+    failed_queue: Queue
+    registry_queue: Queue
+
+    @property
+    def shared_queues(self) -> tuple[Queue, ...]:
+        return (*self.ready_queues.values(), self.failed_queue, self.registry_queue)
+
+    def units(self, delay_ms: int) -> int:
+        """Whole resolution units for ``delay_ms``, rounded up: never early."""
+        return -(-delay_ms // self.resolution_ms)
+
+    def digits(self, units: int) -> list[int]:
+        """The ``levels`` base-``radix`` digits of ``units``, highest level first."""
+        if not 0 <= units < self.radix**self.levels:
+            raise TopologyError(f"{units} units do not fit in {self.levels} levels")
+        out = []
+        for _ in range(self.levels):
+            units, digit = divmod(units, self.radix)
+            out.append(digit)
+        return out[::-1]
+
+    def routing_key(self, delay_ms: int, queue: str) -> str:
+        """The routing key that makes a message wait ``delay_ms`` (rounded up)."""
+        words = [str(d) for d in self.digits(self.units(delay_ms))]
+        return ".".join([*words, queue])
+
+    def hops(self, delay_ms: int) -> int:
+        """How many delay queues a message of ``delay_ms`` passes through."""
+        return sum(1 for d in self.digits(self.units(delay_ms)) if d)
+
+    def describe(self) -> dict[str, Any]:
+        """A JSON-ready description (``declare_delay_topology --format json``)."""
+        return {
+            "topology": self.topology_id,
+            "prefix": self.prefix,
+            "radix": self.radix,
+            "resolution_ms": self.resolution_ms,
+            "levels": self.levels,
+            "max_delay_ms": self.max_delay_ms,
+            "queue_type": self.queue_type,
+            "ingest_exchange": self.ingest_exchange,
+            "dispatch_exchange": self.dispatch_exchange,
+            "exchanges": [asdict(e) for e in self.exchanges],
+            "queues": [asdict(q) for q in (*self.delay_queues, *self.shared_queues)],
+            "bindings": [asdict(b) for b in self.bindings],
+        }
+
+    def record(self) -> str:
+        """What the topology registry keeps to find this topology again."""
+        return json.dumps(
+            {
+                "topology": self.topology_id,
+                "radix": self.radix,
+                "resolution_ms": self.resolution_ms,
+                "levels": self.levels,
+                "max_delay_ms": self.max_delay_ms,
+                "queue_type": self.queue_type,
+            },
+            sort_keys=True,
+        )
+
+
+def levels_for(max_units: int, radix: int) -> int:
+    """The fewest base-``radix`` digits that can write ``max_units``."""
+    levels = 1
+    while radix**levels - 1 < max_units:
+        levels += 1
+    return levels
+
+
+def _queue_arguments(queue_type: str) -> dict[str, Any]:
+    if queue_type == "quorum":
+        return {"x-queue-type": "quorum"}
+    return {}
+
+
+def _delay_queue_arguments(queue_type: str, ttl_ms: int, dead_letter_exchange: str) -> dict:
+    args: dict[str, Any] = {
+        **_queue_arguments(queue_type),
+        "x-message-ttl": ttl_ms,
+        "x-dead-letter-exchange": dead_letter_exchange,
+    }
+    if queue_type == "quorum":
+        # Dead-letter with publisher confirms between quorum queues, so a
+        # message moving from one level to the next survives a broker crash.
+        # at-least-once requires reject-publish overflow.
+        args["x-dead-letter-strategy"] = "at-least-once"
+        args["x-overflow"] = "reject-publish"
+    return args
+
+
+@lru_cache(maxsize=8)
+def plan_topology(settings: DeferredSettings) -> Plan:
+    """Compute the whole topology for ``settings``. Pure and cached."""
+    return build_plan(
+        prefix=settings.prefix,
+        radix=settings.radix,
+        resolution_ms=settings.resolution_ms,
+        max_delay_ms=settings.max_delay_ms,
+        queue_type=settings.queue_type,
+        queues=settings.queues,
+    )
+
+
+def build_plan(
+    *,
+    prefix: str,
+    radix: int,
+    resolution_ms: int,
+    max_delay_ms: int,
+    queue_type: str,
+    queues: tuple[str, ...] | list[str],
+    levels: int | None = None,
+) -> Plan:
+    """Compute a topology from its defining values.
+
+    ``levels`` is derived from ``max_delay_ms`` unless given: an old topology
+    recorded in the registry is rebuilt from what it was declared with.
+    """
+    if radix < 2:
+        raise TopologyError(f"The radix must be at least 2, got {radix}.")
+    if resolution_ms < 1:
+        raise TopologyError(f"The resolution must be at least 1 ms, got {resolution_ms}.")
+    max_units = max(1, math.ceil(max_delay_ms / resolution_ms))
+    if levels is None:
+        levels = levels_for(max_units, radix)
+    topology_id = f"r{radix}.{resolution_ms}ms.L{levels}.{queue_type}"
+    base = f"{prefix}.delay.{topology_id}"
+    ingest = f"{base}.ingest"
+    dispatch = f"{base}.dispatch"
+
+    def level_exchange(level: int) -> str:
+        return f"{base}.after.L{level:02d}"
+
+    def pattern(words: list[str]) -> str:
+        # The final "*" is the target queue name: always exactly one word.
+        return ".".join([*words, "*"])
+
+    # Only the digits a delay up to the maximum can use; above the top level's
+    # largest digit a queue would only hold TTLs no job may ask for (and could
+    # exceed RabbitMQ's 10-year TTL limit).
+    top_digit = min(radix - 1, max_units // radix ** (levels - 1))
+    exchanges = [Exchange(ingest), Exchange(dispatch)]
+    delay_queues: list[Queue] = []
+    bindings: list[Binding] = []
+    for level in range(levels - 1, -1, -1):
+        exchanges.append(Exchange(level_exchange(level)))
+        last_digit = top_digit if level == levels - 1 else radix - 1
+        for digit in range(1, last_digit + 1):
+            ttl_ms = digit * radix**level * resolution_ms
+            if ttl_ms > MAX_TTL_MS:
+                raise TopologyError(
+                    f"Level {level} digit {digit} needs a TTL of {ttl_ms} ms, above RabbitMQ's "
+                    f"limit of {MAX_TTL_MS} ms (10 years): lower MAX_DELAY."
+                )
+            delay_queues.append(
+                Queue(
+                    name=f"{base}.L{level:02d}.d{digit:02d}",
+                    arguments=_delay_queue_arguments(queue_type, ttl_ms, level_exchange(level)),
+                    ttl_ms=ttl_ms,
+                    level=level,
+                    digit=digit,
+                )
+            )
+
+    by_position = {(q.level, q.digit): q.name for q in delay_queues}
+    for (level, digit), queue_name in by_position.items():
+        assert level is not None and digit is not None
+        # From the ingest exchange: every digit above ``level`` is zero.
+        words = ["0"] * (levels - 1 - level) + [str(digit)] + ["*"] * level
+        bindings.append(Binding(ingest, queue_name, pattern(words)))
+        # From the exchange of each higher level ``above``: levels >= above are
+        # done, the ones between are zero, this one is ``digit``.
+        for above in range(level + 1, levels):
+            words = (
+                ["*"] * (levels - above)
+                + ["0"] * (above - 1 - level)
+                + [str(digit)]
+                + ["*"] * level
+            )
+            bindings.append(Binding(level_exchange(above), queue_name, pattern(words)))
+    # No digit left: on to the dispatch exchange.
+    bindings.append(Binding(ingest, dispatch, pattern(["0"] * levels), "exchange"))
+    for above in range(levels):
+        words = ["*"] * (levels - above) + ["0"] * above
+        bindings.append(Binding(level_exchange(above), dispatch, pattern(words), "exchange"))
+
+    ready_queues = {
+        name: Queue(name=f"{prefix}.ready.{name}", arguments=_queue_arguments(queue_type))
+        for name in queues
+    }
+    for name, queue in ready_queues.items():
+        bindings.append(Binding(dispatch, queue.name, ".".join(["*"] * levels + [name])))
+
+    longest_word = len(str(radix - 1))
+    longest_queue = max((len(q.encode()) for q in queues), default=0)
+    key_bytes = levels * (longest_word + 1) + longest_queue
+    if key_bytes > MAX_ROUTING_KEY_BYTES:
+        raise TopologyError(
+            f"Routing keys would be up to {key_bytes} bytes ({levels} levels of radix {radix} "
+            f"plus the queue name), above AMQP's limit of {MAX_ROUTING_KEY_BYTES}: use a "
+            "larger RADIX or RESOLUTION, a smaller MAX_DELAY, or shorter queue names."
+        )
+
+    return Plan(
+        prefix=prefix,
+        topology_id=topology_id,
+        radix=radix,
+        resolution_ms=resolution_ms,
+        levels=levels,
+        max_delay_ms=max_delay_ms,
+        queue_type=queue_type,
+        ingest_exchange=ingest,
+        dispatch_exchange=dispatch,
+        exchanges=tuple(exchanges),
+        delay_queues=tuple(delay_queues),
+        bindings=tuple(bindings),
+        ready_queues=ready_queues,
+        failed_queue=Queue(f"{prefix}.failed", _queue_arguments(queue_type)),
+        registry_queue=Queue(f"{prefix}.topologies", _queue_arguments(queue_type)),
+    )

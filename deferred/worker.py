@@ -1,0 +1,267 @@
+"""The worker: consume ready queues, run registered tasks, ack after they return.
+
+Threads: the thread that calls :meth:`Worker.run` owns the broker connection
+and only does I/O (deliveries, acks, heartbeats); jobs run in a thread pool,
+so a long job never starves the heartbeats, and each job hands its ack back
+to the I/O thread. Prefetch equals concurrency: the broker never gives this
+worker more jobs than it can start, and the rest stay available to others.
+
+Shutdown (SIGTERM/SIGINT, or :meth:`stop`): cancel the consumers first so no
+new job arrives, let the running jobs finish while the I/O thread goes on
+acking and heart-beating, then close and return.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
+from types import FrameType
+from typing import Any
+
+from django.db import close_old_connections
+
+from deferred import failures
+from deferred.broker import BrokerError, BrokerUnavailable, Consumer, Delivery, TopologyNotDeclared
+from deferred.conf import DeferredSettings, get_settings
+from deferred.delays import delay_ms
+from deferred.jobs import BrokenMessage, Job, utcnow
+from deferred.publishing import publish
+from deferred.tasks import UnknownTask, get_task
+from deferred.topology import plan_topology
+
+logger = logging.getLogger("deferred.worker")
+
+#: Reconnection waits double from the first to the last, then stay there.
+RECONNECT_FIRST_S = 0.5
+RECONNECT_CAP_S = 30.0
+#: How long to wait before handing back a job whose failure could not be stored.
+REQUEUE_PAUSE_S = 2.0
+
+
+class Worker:
+    """Runs jobs from the ready queues of ``queues`` until stopped."""
+
+    def __init__(
+        self,
+        *,
+        queues: Iterable[str] | None = None,
+        concurrency: int = 1,
+        settings: DeferredSettings | None = None,
+        install_signal_handlers: bool = True,
+        poll_interval: float = 0.2,
+    ) -> None:
+        self.settings = settings or get_settings()
+        names = list(queues or self.settings.queues)
+        unknown = [q for q in names if q not in self.settings.queues]
+        if unknown:
+            raise ValueError(
+                f"Queue(s) {', '.join(unknown)} not in DEFERRED['QUEUES'] "
+                f"{list(self.settings.queues)!r}."
+            )
+        if concurrency < 1:
+            raise ValueError(f"concurrency must be at least 1, got {concurrency}.")
+        self.queues = names
+        self.concurrency = concurrency
+        self.install_signal_handlers = install_signal_handlers
+        self.poll_interval = poll_interval
+        plan = plan_topology(self.settings)
+        self.consumer = Consumer(
+            self.settings.broker_url,
+            [plan.ready_queues[q].name for q in names],
+            prefetch=concurrency,
+        )
+        #: Set while the worker is consuming (tests and health checks wait on it).
+        self.consuming = threading.Event()
+        self._stopping = threading.Event()
+        self._inflight = 0
+        self._lock = threading.Lock()
+        self._executor: ThreadPoolExecutor | None = None
+
+    # ------------------------------------------------------------------ control
+
+    def stop(self) -> None:
+        """Ask the worker to stop taking jobs and return once the running ones are done.
+
+        Safe to call from any thread and from a signal handler.
+        """
+        self._stopping.set()
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        name = signal.Signals(signum).name
+        if self._stopping.is_set():
+            logger.warning("%s again: still waiting for %d running job(s).", name, self._inflight)
+        else:
+            logger.warning("%s received: finishing %d running job(s), then exiting.", name,
+                           self._inflight)
+        self.stop()
+
+    def run(self) -> None:
+        """Consume until :meth:`stop` or a signal; reconnect whenever the broker goes away."""
+        previous = self._install_signals()
+        self._executor = ThreadPoolExecutor(self.concurrency, thread_name_prefix="deferred-job")
+        wait_s = RECONNECT_FIRST_S
+        try:
+            while not self._stopping.is_set():
+                try:
+                    self.consumer.start(self._on_delivery)
+                    self.consuming.set()
+                    logger.info(
+                        "Worker consuming %s with concurrency %d.",
+                        ", ".join(self.consumer.queues), self.concurrency,
+                    )
+                    wait_s = RECONNECT_FIRST_S
+                    while not self._stopping.is_set():
+                        self.consumer.poll(self.poll_interval)
+                    self.consumer.cancel()
+                    self._drain()
+                except (BrokerUnavailable, TopologyNotDeclared) as exc:
+                    self.consuming.clear()
+                    if self._stopping.is_set():
+                        logger.error("Broker lost while stopping: %s", exc)
+                        break
+                    logger.error(
+                        "RabbitMQ unavailable: %s. Running jobs go on; their messages will be "
+                        "redelivered. Reconnecting in %.1f s.", exc, wait_s,
+                    )
+                    self._stopping.wait(wait_s)
+                    wait_s = min(wait_s * 2, RECONNECT_CAP_S)
+        finally:
+            self.consuming.clear()
+            self._executor.shutdown(wait=True)
+            self.consumer.close()
+            self._restore_signals(previous)
+            logger.info("Worker stopped.")
+
+    def _drain(self) -> None:
+        """Keep doing I/O (acks, heartbeats) until no job is running."""
+        if self._inflight:
+            logger.info("Waiting for %d running job(s) to finish.", self._inflight)
+        while self._inflight:
+            self.consumer.poll(0.05)
+        self.consumer.poll(0)  # deliver the last acks
+
+    def _install_signals(self) -> dict[int, Any]:
+        if not self.install_signal_handlers or threading.current_thread() is not threading.main_thread():
+            return {}
+        previous = {}
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            previous[signum] = signal.signal(signum, self._on_signal)
+        return previous
+
+    @staticmethod
+    def _restore_signals(previous: dict[int, Any]) -> None:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+    # ------------------------------------------------------------------ jobs
+
+    def _on_delivery(self, delivery: Delivery) -> None:
+        """On the I/O thread: hand the message to the pool, or back if stopping."""
+        if self._stopping.is_set():
+            self.consumer.settle_threadsafe(delivery, ack=False, requeue=True)
+            return
+        with self._lock:
+            self._inflight += 1
+        assert self._executor is not None
+        self._executor.submit(self._execute, delivery)
+
+    def _execute(self, delivery: Delivery) -> None:
+        """In a pool thread: process one message, then ask the I/O thread to settle it."""
+        ack = False
+        try:
+            self.process(delivery)
+            ack = True
+        except BrokerError as exc:
+            logger.error(
+                "Could not record the outcome of a message from %s (%s); handing it back "
+                "to RabbitMQ in %.0f s.", delivery.queue, exc, REQUEUE_PAUSE_S,
+            )
+            self._stopping.wait(REQUEUE_PAUSE_S)
+        except BaseException:
+            logger.exception("Unexpected error handling a message from %s; requeueing it.",
+                             delivery.queue)
+        finally:
+            if not self.consumer.settle_threadsafe(delivery, ack=ack, requeue=True):
+                logger.warning("The connection that delivered this job is gone; RabbitMQ "
+                               "will redeliver it (it may run again).")
+            with self._lock:
+                self._inflight -= 1
+
+    def process(self, delivery: Delivery) -> str:
+        """Run or dispose of one message; return its outcome.
+
+        Raises ``BrokerError`` only when the outcome could not be made durable
+        (the message must then not be acked).
+        """
+        try:
+            job = Job.decode(delivery.body)
+        except BrokenMessage as exc:
+            record = failures.failure_record(
+                reason=failures.UNDECODABLE, job=None, body=delivery.body, detail=str(exc)
+            )
+            failures.store_failure(self.settings, record, message_id="")
+            logger.error("job=? queue=%s outcome=failed reason=undecodable detail=%s",
+                         delivery.queue, exc)
+            return "failed"
+
+        started = utcnow()
+        lateness_ms = (started - job.due).total_seconds() * 1000
+        if lateness_ms < 0:
+            return self._reschedule_early(job, started)
+        try:
+            task = get_task(job.task)
+        except UnknownTask as exc:
+            record = failures.failure_record(
+                reason=failures.UNKNOWN_TASK, job=job, body=delivery.body, error=exc
+            )
+            failures.store_failure(self.settings, record, message_id=job.id)
+            self._log(job, lateness_ms, "failed", 0.0, "reason=unknown_task")
+            return "failed"
+
+        close_old_connections()
+        clock = time.monotonic()
+        error: BaseException | None = None
+        try:
+            task.func(*job.args, **job.kwargs)
+        except BaseException as exc:  # noqa: BLE001 - any failure is recorded, never lost
+            error = exc
+        finally:
+            close_old_connections()
+        duration_ms = (time.monotonic() - clock) * 1000
+        if error is None:
+            self._log(job, lateness_ms, "succeeded", duration_ms)
+            return "succeeded"
+        record = failures.failure_record(
+            reason=failures.TASK_ERROR, job=job, body=delivery.body, error=error
+        )
+        failures.store_failure(self.settings, record, message_id=job.id)
+        self._log(job, lateness_ms, "failed", duration_ms,
+                  f"error={type(error).__name__}: {error}")
+        return "failed"
+
+    def _reschedule_early(self, job: Job, now: datetime) -> str:
+        """A job that arrived before its due time (e.g. the clocks of two hosts differ)
+        goes back to wait for the rest: never early."""
+        wait_ms = delay_ms(
+            job.due, now=now,
+            resolution_ms=self.settings.resolution_ms, max_delay_ms=self.settings.max_delay_ms,
+        )
+        publish(job, wait_ms, settings=self.settings)
+        self._log(job, (now - job.due).total_seconds() * 1000, "rescheduled", 0.0,
+                  f"early_by_ms={wait_ms}")
+        return "rescheduled"
+
+    @staticmethod
+    def _log(job: Job, lateness_ms: float, outcome: str, duration_ms: float, extra: str = "") -> None:
+        level = logging.INFO if outcome in ("succeeded", "rescheduled") else logging.ERROR
+        logger.log(
+            level,
+            "job=%s task=%s attempt=%d lateness_ms=%.1f outcome=%s duration_ms=%.1f%s",
+            job.id, job.task, job.attempt, lateness_ms, outcome, duration_ms,
+            f" {extra}" if extra else "",
+        )
