@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import numbers
 from datetime import datetime, timedelta
+from decimal import Decimal
 from fractions import Fraction
 
 Delay = int | float | timedelta | datetime
@@ -22,7 +23,7 @@ class InvalidDelay(ValueError):
 def exact_delay_ms(delay: object, now: datetime) -> Fraction:
     """The delay in (possibly fractional) milliseconds, validated.
 
-    ``delay`` is seconds (int or float), a ``timedelta``, or an aware
+    ``delay`` is seconds (int, float or Decimal), a ``timedelta``, or an aware
     ``datetime`` meaning "at that time"; a time in the past means "now".
     """
     if isinstance(delay, datetime):
@@ -35,7 +36,7 @@ def exact_delay_ms(delay: object, now: datetime) -> Fraction:
         return max(Fraction(0), _timedelta_ms(remaining))
     if isinstance(delay, timedelta):
         value = _timedelta_ms(delay)
-    elif isinstance(delay, bool) or not isinstance(delay, numbers.Real):
+    elif isinstance(delay, bool) or not isinstance(delay, numbers.Real | Decimal):
         raise TypeError(
             "The delay must be a number of seconds, a datetime.timedelta or an aware "
             f"datetime.datetime; got {type(delay).__name__} {delay!r}."

@@ -208,6 +208,16 @@ def build_plan(
     max_units = max(1, math.ceil(max_delay_ms / resolution_ms))
     if levels is None:
         levels = levels_for(max_units, radix)
+    longest_word = len(str(radix - 1))
+    longest_queue = max((len(q.encode()) for q in queues), default=0)
+    key_bytes = levels * (longest_word + 1) + longest_queue
+    if key_bytes > MAX_ROUTING_KEY_BYTES:
+        raise TopologyError(
+            f"Routing keys would be up to {key_bytes} bytes ({levels} levels of radix {radix} "
+            f"plus the queue name), above AMQP's limit of {MAX_ROUTING_KEY_BYTES}: use a "
+            "larger RADIX or RESOLUTION, a smaller MAX_DELAY, or shorter queue names."
+        )
+
     topology_id = f"r{radix}.{resolution_ms}ms.L{levels}.{queue_type}"
     base = f"{prefix}.delay.{topology_id}"
     ingest = f"{base}.ingest"
@@ -275,16 +285,6 @@ def build_plan(
     }
     for name, queue in ready_queues.items():
         bindings.append(Binding(dispatch, queue.name, ".".join(["*"] * levels + [name])))
-
-    longest_word = len(str(radix - 1))
-    longest_queue = max((len(q.encode()) for q in queues), default=0)
-    key_bytes = levels * (longest_word + 1) + longest_queue
-    if key_bytes > MAX_ROUTING_KEY_BYTES:
-        raise TopologyError(
-            f"Routing keys would be up to {key_bytes} bytes ({levels} levels of radix {radix} "
-            f"plus the queue name), above AMQP's limit of {MAX_ROUTING_KEY_BYTES}: use a "
-            "larger RADIX or RESOLUTION, a smaller MAX_DELAY, or shorter queue names."
-        )
 
     return Plan(
         prefix=prefix,

@@ -1,0 +1,49 @@
+"""The job envelope (pure)."""
+
+import json
+from datetime import UTC, datetime
+
+import pytest
+
+from deferred.jobs import FORMAT_VERSION, BrokenMessage, Job
+
+DUE = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+def job(**kw):
+    return Job(id="abc", task="t", args=(1, "x"), kwargs={"k": [1]}, due=DUE, queue="default", **kw)
+
+
+def test_round_trip():
+    original = job()
+    body = original.encode()
+    data = json.loads(body)
+    assert data["version"] == FORMAT_VERSION
+    assert set(data) >= {"version", "id", "task", "args", "kwargs", "due", "attempt"}
+    assert data["attempt"] == 1
+    assert Job.decode(body) == original
+
+
+@pytest.mark.parametrize("bad", [object(), {1, 2}, float("nan"), b"bytes"])
+def test_arguments_must_be_json(bad):
+    with pytest.raises(TypeError, match="JSON"):
+        Job(id="a", task="t", args=(bad,), kwargs={}, due=DUE, queue="default").encode()
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"\xff\xfe",
+        b"not json",
+        b"[]",
+        b'{"version": 99}',
+        b'{"version": 1}',
+        json.dumps({**json.loads(Job(id="a", task="t", args=(), kwargs={}, due=DUE,
+                                      queue="q").encode()), "attempt": "1"}).encode(),
+        json.dumps({**json.loads(Job(id="a", task="t", args=(), kwargs={}, due=DUE,
+                                      queue="q").encode()), "due": "2026-01-01T00:00"}).encode(),
+    ],
+)
+def test_broken_bodies(body):
+    with pytest.raises(BrokenMessage):
+        Job.decode(body)

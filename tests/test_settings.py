@@ -1,0 +1,74 @@
+"""The DEFERRED setting: defaults, validation, and manage.py check."""
+
+from datetime import timedelta
+
+import pytest
+from django.core.checks import run_checks
+from django.core.exceptions import ImproperlyConfigured
+from django.test import override_settings
+
+from deferred.conf import get_settings
+
+
+def settings_for(**values):
+    with override_settings(DEFERRED=values):
+        return get_settings()
+
+
+def test_defaults():
+    s = settings_for()
+    assert s.broker_url == "amqp://guest:guest@127.0.0.1:5672/%2F"
+    assert s.prefix == "deferred"
+    assert s.radix == 2
+    assert s.resolution_ms == 1
+    assert s.queue_type == "classic"
+    assert s.queues == ("default",)
+    assert s.max_delay_ms >= 366 * 24 * 3600 * 1000  # at least a year
+
+
+def test_durations_as_timedelta_or_seconds():
+    s = settings_for(MAX_DELAY=timedelta(days=30), RESOLUTION=0.01)
+    assert s.max_delay_ms == 30 * 86_400_000
+    assert s.resolution_ms == 10
+    assert settings_for(MAX_DELAY=3600).max_delay_ms == 3_600_000
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        {"RADIX": 1},
+        {"RADIX": "2"},
+        {"RADIX": True},
+        {"RESOLUTION": 0.0005},
+        {"RESOLUTION": timedelta(microseconds=1500)},
+        {"MAX_DELAY": -1},
+        {"MAX_DELAY": timedelta(days=3651)},
+        {"MAX_DELAY": float("inf")},
+        {"QUEUE_TYPE": "stream"},
+        {"QUEUES": []},
+        {"QUEUES": "default"},
+        {"QUEUES": ["a.b"]},
+        {"QUEUES": ["a", "a"]},
+        {"PREFIX": ""},
+        {"PREFIX": "has space"},
+        {"BROKER_URL": "http://localhost"},
+        {"UNKNOWN": 1},
+    ],
+)
+def test_bad_values_are_improperly_configured(values):
+    with pytest.raises(ImproperlyConfigured):
+        settings_for(**values)
+
+
+def test_bad_values_show_in_manage_py_check():
+    with override_settings(DEFERRED={"RADIX": 1}):
+        errors = [e for e in run_checks() if e.id == "deferred.E001"]
+    assert len(errors) == 1
+    assert "RADIX" in errors[0].msg
+
+
+def test_settings_are_cached_until_they_change():
+    with override_settings(DEFERRED={"RADIX": 4}):
+        assert get_settings() is get_settings()
+        assert get_settings().radix == 4
+    assert get_settings().radix == 2

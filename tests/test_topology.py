@@ -1,0 +1,188 @@
+"""The topology plan, without a broker: names, TTLs, bindings and limits.
+
+A small simulator follows the plan's bindings with RabbitMQ's topic-matching
+rules, so the routing of every delay is checked end to end in pure Python.
+"""
+
+import random
+import re
+
+import pytest
+
+from deferred.topology import (
+    MAX_ROUTING_KEY_BYTES,
+    MAX_TTL_MS,
+    Plan,
+    TopologyError,
+    build_plan,
+    levels_for,
+)
+
+YEAR_MS = 365 * 24 * 3600 * 1000
+
+
+def make(radix=2, resolution_ms=1, max_delay_ms=YEAR_MS, queue_type="classic", queues=("default",)):
+    return build_plan(
+        prefix="p",
+        radix=radix,
+        resolution_ms=resolution_ms,
+        max_delay_ms=max_delay_ms,
+        queue_type=queue_type,
+        queues=queues,
+    )
+
+
+def topic_matches(pattern: str, key: str) -> bool:
+    """RabbitMQ topic semantics: '*' is one word, '#' zero or more."""
+    regex = []
+    for word in pattern.split("."):
+        if word == "*":
+            regex.append(r"[^.]+")
+        elif word == "#":
+            regex.append(r".*")
+        else:
+            regex.append(re.escape(word))
+    return re.fullmatch(r"\.".join(regex), key) is not None
+
+
+def route(plan: Plan, delay_ms: int, queue: str = "default") -> tuple[list[int], str]:
+    """Follow a message through the plan: the TTLs it waits and the queue it ends in."""
+    key = plan.routing_key(delay_ms, queue)
+    by_name = {q.name: q for q in plan.delay_queues}
+    ready = {q.name for q in plan.ready_queues.values()}
+    dead_letter = {q.name: q.arguments["x-dead-letter-exchange"] for q in plan.delay_queues}
+    exchanges = [plan.ingest_exchange]
+    waited: list[int] = []
+    for _ in range(plan.levels + 2):
+        destinations: set[str] = set()
+        while exchanges:  # expand exchange-to-exchange bindings
+            source = exchanges.pop()
+            for b in plan.bindings:
+                if b.source == source and topic_matches(b.routing_key, key):
+                    if b.destination_type == "exchange":
+                        exchanges.append(b.destination)
+                    else:
+                        destinations.add(b.destination)
+        assert len(destinations) == 1, f"{key} routed to {destinations}"
+        (dest,) = destinations
+        if dest in ready:
+            return waited, dest
+        waited.append(by_name[dest].ttl_ms)
+        exchanges = [dead_letter[dest]]
+    raise AssertionError(f"{key} never reached a ready queue")
+
+
+@pytest.mark.parametrize(
+    ("radix", "levels"),
+    [(2, 35), (4, 18), (10, 11), (16, 9)],
+)
+def test_levels_cover_a_year_in_milliseconds(radix, levels):
+    plan = make(radix=radix)
+    assert plan.levels == levels
+    assert radix**plan.levels - 1 >= YEAR_MS > radix ** (plan.levels - 1) - 1
+
+
+@pytest.mark.parametrize("radix", [2, 4, 10, 16])
+def test_one_queue_per_level_and_digit_with_its_ttl(radix):
+    plan = make(radix=radix, max_delay_ms=radix**6 - 1)
+    assert plan.levels == 6
+    ttls = {(q.level, q.digit): q.ttl_ms for q in plan.delay_queues}
+    assert ttls == {(i, d): d * radix**i for i in range(6) for d in range(1, radix)}
+    for q in plan.delay_queues:
+        assert q.arguments["x-message-ttl"] == q.ttl_ms
+        assert q.arguments["x-dead-letter-exchange"].endswith(f".after.L{q.level:02d}")
+        assert q.name.startswith("p.delay.")
+
+
+@pytest.mark.parametrize("radix", [2, 4, 10, 16])
+def test_binding_patterns(radix):
+    plan = make(radix=radix, max_delay_ms=radix**3 - 1)
+    patterns = {(b.source.rsplit(".", 1)[-1], b.destination.rsplit(".", 2)[-2:][0] + "."
+                 + b.destination.rsplit(".", 1)[-1], b.routing_key) for b in plan.bindings}
+    d = radix - 1
+    # From the ingest exchange to the top level's queue of digit d: "d.*.*.*".
+    assert ("ingest", f"L02.d{d:02d}", f"{d}.*.*.*") in patterns
+    # ... to level 0: every higher digit is zero.
+    assert ("ingest", "L00.d01", "0.0.1.*") in patterns
+    # After level 2, on to level 0 when level 1 is zero.
+    assert ("L02", "L00.d01", "*.0.1.*") in patterns
+    # No digit left: to the dispatch exchange, then to the ready queue.
+    assert any(b.source.endswith("ingest") and b.destination_type == "exchange"
+               and b.routing_key == "0.0.0.*" for b in plan.bindings)
+    ready = [b for b in plan.bindings if b.destination == "p.ready.default"]
+    assert [b.routing_key for b in ready] == ["*.*.*.default"]
+
+
+@pytest.mark.parametrize("radix", [2, 4, 10, 16])
+def test_every_delay_waits_exactly_its_rounded_value(radix):
+    rng = random.Random(radix)
+    plan = make(radix=radix, resolution_ms=1, max_delay_ms=10**7)
+    for delay in [0, 1, radix - 1, radix, radix**2 + 1, 10**7, *rng.sample(range(10**7), 200)]:
+        waited, ready = route(plan, delay)
+        assert sum(waited) == delay
+        assert ready == "p.ready.default"
+        assert waited == sorted(waited, reverse=True)  # highest level first
+        assert len(waited) == plan.hops(delay)
+
+
+def test_routing_to_the_named_queue():
+    plan = make(queues=("default", "billing"))
+    assert route(plan, 1234, "billing")[1] == "p.ready.billing"
+    assert plan.routing_key(5, "billing").endswith(".1.0.1.billing")
+
+
+def test_rounds_up_to_the_resolution_never_down():
+    plan = make(resolution_ms=100, max_delay_ms=10**6)
+    assert plan.units(0) == 0
+    assert plan.units(1) == 1
+    assert plan.units(100) == 1
+    assert plan.units(101) == 2
+    waited, _ = route(plan, 250)
+    assert sum(waited) == 300
+
+
+def test_ttls_never_exceed_rabbitmqs_ten_year_cap():
+    for radix in (2, 3, 4, 10, 16, 36, 64):
+        plan = make(radix=radix, max_delay_ms=MAX_TTL_MS)
+        assert max(q.ttl_ms for q in plan.delay_queues) <= MAX_TTL_MS
+        # The whole range is still reachable.
+        assert sum(route(plan, MAX_TTL_MS)[0]) == MAX_TTL_MS
+
+
+def test_ttl_above_the_cap_is_refused():
+    with pytest.raises(TopologyError, match="10 years"):
+        make(radix=16, max_delay_ms=16 * MAX_TTL_MS)
+
+
+def test_routing_key_limit_of_255_bytes():
+    plan = make(radix=2, max_delay_ms=MAX_TTL_MS, queues=("q" * 100,))
+    key = plan.routing_key(MAX_TTL_MS, "q" * 100)
+    assert len(key.encode()) <= MAX_ROUTING_KEY_BYTES
+    with pytest.raises(TopologyError, match="255"):
+        build_plan(prefix="p", radix=2, resolution_ms=1, max_delay_ms=MAX_TTL_MS,
+                   queue_type="classic", queues=("q" * 100,), levels=80)
+
+
+def test_quorum_queues_dead_letter_at_least_once():
+    plan = make(queue_type="quorum")
+    for q in plan.delay_queues:
+        assert q.arguments["x-queue-type"] == "quorum"
+        assert q.arguments["x-dead-letter-strategy"] == "at-least-once"
+        assert q.arguments["x-overflow"] == "reject-publish"
+    assert plan.ready_queues["default"].arguments == {"x-queue-type": "quorum"}
+
+
+def test_names_carry_what_defines_the_topology():
+    a, b = make(radix=2), make(radix=4)
+    assert a.topology_id != b.topology_id
+    assert {q.name for q in a.delay_queues}.isdisjoint({q.name for q in b.delay_queues})
+    # ... but both feed the same ready queues.
+    assert a.ready_queues["default"].name == b.ready_queues["default"].name
+    assert make(resolution_ms=10).topology_id == "r2.10ms.L32.classic"
+
+
+def test_levels_for():
+    assert levels_for(1, 2) == 1
+    assert levels_for(2, 2) == 2
+    assert levels_for(15, 16) == 1
+    assert levels_for(16, 16) == 2
