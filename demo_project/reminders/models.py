@@ -1,0 +1,34 @@
+"""The ``Reminder`` model: what was asked for, when it was due and when it ran.
+
+Keeping both ``due_at`` and ``ran_at`` makes the demo show how late each job
+ran, which is the number that matters for a delay queue.
+"""
+
+from __future__ import annotations
+
+from django.db import models
+from django.utils import timezone
+
+
+class Reminder(models.Model):
+    message = models.CharField(max_length=200)
+    delay_seconds = models.FloatField()
+    created_at = models.DateTimeField(default=timezone.now)
+    due_at = models.DateTimeField()
+    #: Set by the ``reminders.send_reminder`` task; ``None`` while pending.
+    ran_at = models.DateTimeField(null=True, blank=True)
+    #: The id ``defer()`` returned, to find the job in the worker's logs.
+    job_id = models.CharField(max_length=64, blank=True)
+
+    class Meta:
+        ordering = ["-created_at", "-pk"]
+
+    def __str__(self) -> str:
+        return self.message
+
+    @property
+    def lateness_ms(self) -> float | None:
+        """How long after ``due_at`` the job ran, in milliseconds; ``None`` while pending."""
+        if self.ran_at is None:
+            return None
+        return (self.ran_at - self.due_at).total_seconds() * 1000

@@ -1,0 +1,173 @@
+"""Fixtures for tests against the real RabbitMQ.
+
+The test settings give every run its own PREFIX, so these tests declare,
+fill and finally delete their own topology and never touch anything else. If
+RabbitMQ does not answer, the broker tests fail (they are never skipped).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pika
+import pytest
+from django.core.management import call_command
+
+from deferred.broker import BrokerUnavailable, admin_channel, connect
+from deferred.conf import get_settings
+from deferred.topology import Plan, build_plan, plan_topology
+from deferred.worker import Worker
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def wait_for(predicate: Callable[[], object], timeout: float, interval: float = 0.05) -> bool:
+    """Poll ``predicate`` until it is true or ``timeout`` seconds passed."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return bool(predicate())
+
+
+@pytest.fixture(scope="session")
+def broker_url() -> str:
+    url = get_settings().broker_url
+    try:
+        connect(url).close()
+    except BrokerUnavailable as exc:
+        pytest.fail(f"RabbitMQ is required by this test and does not answer: {exc}")
+    return url
+
+
+def _every_plan(admin, plan: Plan) -> list[Plan]:
+    plans = [plan]
+    for record in admin.topology_records(plan):
+        plans.append(build_plan(
+            prefix=plan.prefix, radix=record["radix"], resolution_ms=record["resolution_ms"],
+            max_delay_ms=record["max_delay_ms"], queue_type=record["queue_type"],
+            queues=tuple(plan.ready_queues), levels=record["levels"],
+        ))
+    return plans
+
+
+@pytest.fixture(scope="session")
+def topology(broker_url: str) -> Iterator[Plan]:
+    """The current settings' topology, declared once for the session, deleted after."""
+    call_command("declare_delay_topology", verbosity=0)
+    plan = plan_topology(get_settings())
+    yield plan
+    with admin_channel(broker_url) as admin:
+        for each in _every_plan(admin, plan):
+            admin.delete_everything(each)
+
+
+@pytest.fixture
+def raw_channel(broker_url: str) -> Iterator[pika.adapters.blocking_connection.BlockingChannel]:
+    """A plain pika channel, for inspecting and poking the broker directly."""
+    connection = pika.BlockingConnection(pika.URLParameters(broker_url))
+    yield connection.channel()
+    if connection.is_open:
+        connection.close()
+
+
+def depth(channel, queue: str) -> int:
+    return channel.queue_declare(queue, passive=True).method.message_count
+
+
+def total_waiting(channel, plan: Plan) -> int:
+    """Messages anywhere in ``plan``: delay queues and ready queues."""
+    queues = [q.name for q in plan.delay_queues] + [q.name for q in plan.ready_queues.values()]
+    return sum(depth(channel, q) for q in queues)
+
+
+@pytest.fixture
+def clean(topology: Plan, raw_channel) -> Plan:
+    """The session topology with its ready and failed queues emptied."""
+    for queue in (*topology.ready_queues.values(), topology.failed_queue):
+        raw_channel.queue_purge(queue.name)
+    return topology
+
+
+@pytest.fixture
+def records(tmp_path: Path) -> str:
+    """A file the test tasks append JSON lines to."""
+    return str(tmp_path / "records.jsonl")
+
+
+@pytest.fixture
+def run_worker() -> Iterator[Callable[..., Worker]]:
+    """Start in-process workers in threads; they are stopped at the end of the test."""
+    started: list[tuple[Worker, threading.Thread]] = []
+
+    def start(**kwargs) -> Worker:
+        kwargs.setdefault("install_signal_handlers", False)
+        worker = Worker(**kwargs)
+        thread = threading.Thread(target=worker.run, name="test-worker", daemon=True)
+        thread.start()
+        assert worker.consuming.wait(10), "the worker did not start consuming"
+        started.append((worker, thread))
+        return worker
+
+    yield start
+    for worker, thread in started:
+        worker.stop()
+        thread.join(30)
+        assert not thread.is_alive(), "the worker did not stop"
+
+
+class WorkerProcess:
+    """``manage.py run_deferred_worker`` as a real subprocess, for signals and kills."""
+
+    def __init__(self, log: Path, *args: str) -> None:
+        self.log = log
+        env = {**os.environ, "DJANGO_SETTINGS_MODULE": "tests.settings", "PYTHONPATH": str(ROOT)}
+        self.proc = subprocess.Popen(
+            [sys.executable, str(ROOT / "manage.py"), "run_deferred_worker", *args],
+            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=log.open("w"),
+        )
+        assert wait_for(lambda: "Worker consuming" in self.output() or self.proc.poll() is not None,
+                        20), self.output()
+        assert self.proc.poll() is None, self.output()
+
+    def output(self) -> str:
+        return self.log.read_text() if self.log.exists() else ""
+
+    def signal(self, signum: int) -> None:
+        self.proc.send_signal(signum)
+
+    def wait(self, timeout: float = 30) -> int:
+        return self.proc.wait(timeout)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+
+@pytest.fixture
+def worker_process(tmp_path: Path) -> Iterator[Callable[..., WorkerProcess]]:
+    made: list[WorkerProcess] = []
+
+    def start(*args: str) -> WorkerProcess:
+        process = WorkerProcess(tmp_path / f"worker-{len(made)}.log", *args)
+        made.append(process)
+        return process
+
+    yield start
+    for process in made:
+        process.kill()
+
+
+def rabbitmqctl(*args: str) -> str:
+    return subprocess.run(
+        ["rabbitmqctl", *args], check=True, capture_output=True, text=True, timeout=60
+    ).stdout

@@ -1,0 +1,213 @@
+"""defer() against the real broker: timing, order, and every way it refuses."""
+
+from __future__ import annotations
+
+import random
+import statistics
+import threading
+import time
+from datetime import timedelta
+
+import pika
+import pytest
+from django.test import override_settings
+from django.utils import timezone
+
+from deferred import defer
+from deferred.broker import BrokerUnavailable, TopologyNotDeclared, admin_channel
+from deferred.jobs import Job
+from tests.conftest import depth, total_waiting, wait_for
+from tests.testapp.tasks import explode, on_other, read_records, record
+
+pytestmark = pytest.mark.usefixtures("clean")
+
+
+def ran_at(path: str) -> dict[str, float]:
+    return {r["label"]: r["at"] for r in read_records(path)}
+
+
+def test_article_experiment_3_2_1_runs_in_order_1_2_3_each_at_its_time(records, run_worker):
+    # Given a worker, when jobs are deferred by 3, 2 and 1 units of 150 ms...
+    run_worker()
+    unit = 0.15
+    sent = {}
+    for n in (3, 2, 1):
+        sent[str(n)] = time.time()
+        defer(record, n * unit, records, str(n))
+    # ...then they run in order 1, 2, 3, each at its own due time.
+    assert wait_for(lambda: len(read_records(records)) == 3, 10)
+    at = ran_at(records)
+    assert sorted(at, key=at.get) == ["1", "2", "3"]
+    for label, when in at.items():
+        lateness = when - (sent[label] + int(label) * unit)
+        assert lateness >= 0, f"job {label} ran {-lateness:.3f} s early"
+        assert lateness < 1.0, f"job {label} ran {lateness:.3f} s late"
+
+
+def test_naive_single_queue_with_per_message_ttl_delivers_late_and_out_of_order(raw_channel):
+    # The design we avoid: one queue, per-message expiration, dead-lettered to a sink.
+    ch = raw_channel
+    sink = ch.queue_declare("", exclusive=True).method.queue
+    waiting = ch.queue_declare(
+        "", exclusive=True,
+        arguments={"x-dead-letter-exchange": "", "x-dead-letter-routing-key": sink},
+    ).method.queue
+    start = time.monotonic()
+    for ms in (450, 300, 150):
+        ch.basic_publish("", waiting, str(ms).encode(), pika.BasicProperties(expiration=str(ms)))
+    arrived: list[tuple[str, float]] = []
+    deadline = time.monotonic() + 5
+    while len(arrived) < 3 and time.monotonic() < deadline:
+        method, _, body = ch.basic_get(sink, auto_ack=True)
+        if method:
+            arrived.append((body.decode(), time.monotonic() - start))
+        else:
+            time.sleep(0.005)
+    # The 450 ms message at the head blocks the others: same order as sent...
+    assert [label for label, _ in arrived] == ["450", "300", "150"]
+    # ...and the 150 ms message comes out about 300 ms late.
+    assert dict(arrived)["150"] >= 0.44
+
+
+def test_randomized_200_jobs_each_once_never_early(records, run_worker, capsys):
+    run_worker(concurrency=4)
+    rng = random.Random(2026)
+    due: dict[str, float] = {}
+    for n in range(200):
+        delay = rng.uniform(0, 3.0)
+        due[str(n)] = time.time() + delay
+        defer(record, delay, records, str(n))
+    assert wait_for(lambda: len(read_records(records)) >= 200, 30)
+    time.sleep(0.5)  # anything that would run twice has had time to
+    runs = read_records(records)
+    labels = [r["label"] for r in runs]
+    assert sorted(labels, key=int) == sorted(due, key=int), "each job runs exactly once"
+    lateness_ms = sorted((r["at"] - due[r["label"]]) * 1000 for r in runs)
+    assert lateness_ms[0] >= 0, f"a job ran {-lateness_ms[0]:.1f} ms early"
+    p50 = statistics.median(lateness_ms)
+    p99 = lateness_ms[int(len(lateness_ms) * 0.99) - 1]
+    with capsys.disabled():
+        print(f"\n200 random jobs 0-3000 ms: lateness p50 {p50:.1f} ms, p99 {p99:.1f} ms, "
+              f"max {lateness_ms[-1]:.1f} ms")
+    assert p99 < 2000, "grossly late"
+
+
+def test_defer_returns_the_job_id_carried_by_the_message(clean, raw_channel):
+    job_id = defer(record, 0, "/dev/null", "x")
+    assert wait_for(lambda: depth(raw_channel, clean.ready_queues["default"].name) == 1, 5)
+    method, props, body = raw_channel.basic_get(clean.ready_queues["default"].name, auto_ack=True)
+    job = Job.decode(body)
+    assert job.id == job_id == props.message_id
+    assert props.delivery_mode == 2  # persistent
+    assert props.expiration is None  # never a per-message TTL
+    assert job.task == record.name and job.args == ("/dev/null", "x") and job.attempt == 1
+
+
+def test_timedelta_and_aware_datetime(records, run_worker):
+    run_worker()
+    start = time.time()
+    defer(record, timedelta(milliseconds=200), records, "td")
+    defer(record, timezone.now() + timedelta(milliseconds=300), records, "dt")
+    defer(record, timezone.now() - timedelta(days=1), records, "past")
+    assert wait_for(lambda: len(read_records(records)) == 3, 10)
+    at = ran_at(records)
+    assert at["td"] - start >= 0.2 and at["dt"] - start >= 0.3
+    assert at["past"] < at["td"]
+
+
+def test_queue_option_through_using_not_kwargs(clean, raw_channel, records):
+    on_other.using(queue="default").defer(0, records, "a")
+    on_other.defer(0, records, "b")
+    assert wait_for(lambda: depth(raw_channel, clean.ready_queues["other"].name) == 1, 5)
+    assert wait_for(lambda: depth(raw_channel, clean.ready_queues["default"].name) == 1, 5)
+
+
+BAD_CALLS = [
+    ("negative", ValueError, lambda: defer(record, -1, "p", "l")),
+    ("nan", ValueError, lambda: defer(record, float("nan"), "p", "l")),
+    ("inf", ValueError, lambda: defer(record, float("inf"), "p", "l")),
+    ("naive", ValueError, lambda: defer(record, timezone.now().replace(tzinfo=None), "p", "l")),
+    ("too long", ValueError, lambda: defer(record, timedelta(days=3651), "p", "l")),
+    ("delay type", TypeError, lambda: defer(record, "10", "p", "l")),
+    ("unknown task", ValueError, lambda: defer("no.such.task", 1)),
+    ("not a task", TypeError, lambda: defer(print, 1)),
+    ("not json", TypeError, lambda: defer(record, 1, object(), "l")),
+    ("bad arguments", TypeError, lambda: defer(record, 1, "only-one")),
+    ("unexpected kwarg", TypeError, lambda: defer(explode, 1, "m", colour="red")),
+    ("queue not configured", ValueError, lambda: record.using(queue="nowhere").defer(1, "p", "l")),
+]
+
+
+@pytest.mark.parametrize(("name", "error", "call"), BAD_CALLS, ids=[c[0] for c in BAD_CALLS])
+def test_bad_input_raises_and_publishes_nothing(clean, raw_channel, name, error, call):
+    with pytest.raises(error):
+        call()
+    time.sleep(0.05)
+    assert total_waiting(raw_channel, clean) == 0
+
+
+def test_task_kwargs_named_like_defer_parameters_go_to_the_task(clean, raw_channel):
+    # defer's own parameters are positional-only: a task may take "task" or "delay".
+    from deferred import task
+
+    @task(name="tests.kw_named")
+    def kw_named(task, delay):
+        pass
+
+    defer(kw_named, 0, task="t", delay="d")
+    assert wait_for(lambda: depth(raw_channel, clean.ready_queues["default"].name) == 1, 5)
+
+
+def test_undeclared_topology_raises_a_clear_error(broker_url):
+    with override_settings(DEFERRED={"BROKER_URL": broker_url, "PREFIX": "deferred-undeclared"}):
+        with pytest.raises(TopologyNotDeclared, match="declare_delay_topology"):
+            defer(record, 1, "p", "l")
+
+
+def test_unroutable_message_raises_instead_of_vanishing(broker_url):
+    # The delay exchanges exist but the ready queue is gone: mandatory + confirms catch it.
+    prefix = "deferred-unroutable"
+    with override_settings(DEFERRED={"BROKER_URL": broker_url, "PREFIX": prefix, "RADIX": 16,
+                                     "MAX_DELAY": 60}):
+        from django.core.management import call_command
+
+        from deferred.conf import get_settings
+        from deferred.topology import plan_topology
+
+        call_command("declare_delay_topology", verbosity=0)
+        plan = plan_topology(get_settings())
+        try:
+            with admin_channel(broker_url) as admin:
+                admin.channel.queue_delete(plan.ready_queues["default"].name)
+            with pytest.raises(TopologyNotDeclared, match="declare_delay_topology"):
+                defer(record, 0, "p", "l")
+        finally:
+            with admin_channel(broker_url) as admin:
+                admin.delete_everything(plan)
+
+
+def test_broker_down_raises_broker_unavailable():
+    with override_settings(DEFERRED={"BROKER_URL": "amqp://guest:guest@127.0.0.1:1/%2F"}):
+        with pytest.raises(BrokerUnavailable, match="Cannot connect"):
+            defer(record, 1, "p", "l")
+
+
+def test_threads_each_get_a_connection(clean, raw_channel, records, run_worker):
+    errors = []
+
+    def burst(n: int) -> None:
+        try:
+            for i in range(25):
+                defer(record, 0.05, records, f"{n}-{i}")
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=burst, args=(n,)) for n in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    run_worker(concurrency=4)
+    assert wait_for(lambda: len(read_records(records)) == 200, 20)
+    assert len({r["label"] for r in read_records(records)}) == 200
