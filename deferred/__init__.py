@@ -8,7 +8,8 @@
     defer(send_reminder, timedelta(hours=24), reminder.pk)
 """
 
+from deferred.broker import BrokerError
 from deferred.publishing import defer
 from deferred.tasks import Task, task
 
-__all__ = ["Task", "defer", "task"]
+__all__ = ["BrokerError", "Task", "defer", "task"]

@@ -191,13 +191,25 @@ class DeclareReport:
         return bool(self.created)
 
 
+class _HideProbeMisses(logging.Filter):
+    """pika warns about every channel the broker closes, including the 404 that
+    answers "does this queue exist?"; those are expected here, not news."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "NOT_FOUND" not in record.getMessage()
+
+
 @contextmanager
 def admin_channel(url: str) -> Iterator[Admin]:
     """A short-lived connection for declaring, inspecting and removing topologies."""
     connection = connect(url)
+    quiet = _HideProbeMisses()
+    pika_channel_logger = logging.getLogger("pika.channel")
+    pika_channel_logger.addFilter(quiet)
     try:
         yield Admin(connection)
     finally:
+        pika_channel_logger.removeFilter(quiet)
         try:
             connection.close()
         except Exception:  # noqa: BLE001 - the work is done or already failed

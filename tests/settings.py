@@ -16,6 +16,7 @@ INSTALLED_APPS = [
     "django.contrib.contenttypes",
     "deferred",
     "tests.testapp",
+    "demo_project.reminders",
 ]
 DATABASES = {
     "default": {
@@ -37,5 +38,8 @@ LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
     "handlers": {"stderr": {"class": "logging.StreamHandler"}},
-    "loggers": {"deferred": {"handlers": ["stderr"], "level": "INFO"}},
+    "loggers": {
+        "deferred": {"handlers": ["stderr"], "level": "INFO"},
+        "pika": {"level": "WARNING"},
+    },
 }

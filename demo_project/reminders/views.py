@@ -45,7 +45,8 @@ def schedule_reminder(message: str, delay_seconds: float) -> Reminder:
             message=message, delay_seconds=delay_seconds, created_at=now, due_at=now + delay
         )
     try:
-        job_id = defer(send_reminder, delay, reminder.pk)
+        # The row's own due time: the page and the job agree on when it is due.
+        job_id = defer(send_reminder, reminder.due_at, reminder.pk)
     except Exception:
         # Nothing was published: a reminder that can never run must not stay listed.
         reminder.delete()

@@ -70,9 +70,11 @@ class Command(BaseCommand):
         elif report.changed:
             self.stdout.write(self.style.SUCCESS(
                 f"Declared topology {plan.topology_id}: created {len(report.created)} "
-                f"({', '.join(report.created)}); {len(report.existing)} already present; "
+                f"exchanges and queues, {len(report.existing)} already present; "
                 f"{report.bindings} bindings."
             ))
+            if options["verbosity"] > 1:
+                self.stdout.write("\n".join(f"  created {name}" for name in report.created))
         else:
             self.stdout.write(self.style.SUCCESS(
                 f"Topology {plan.topology_id} is already declared: nothing changed "

@@ -1,0 +1,145 @@
+"""declare_delay_topology against the real broker, and topology changes on a live system."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from io import StringIO
+
+import pytest
+from django.core.management import CommandError, call_command
+from django.test import override_settings
+
+from deferred import defer
+from deferred.broker import admin_channel
+from deferred.conf import get_settings
+from deferred.topology import Plan, plan_topology
+from tests.conftest import _every_plan, rabbitmqctl, wait_for
+from tests.testapp.tasks import read_records, record
+
+
+def run(*args: str) -> str:
+    out = StringIO()
+    call_command("declare_delay_topology", *args, stdout=out)
+    return out.getvalue()
+
+
+@contextmanager
+def own_prefix(broker_url: str, **values) -> Iterator[str]:
+    """Settings with a throwaway PREFIX; everything under it is deleted afterwards."""
+    prefix = f"deferred-test-{uuid.uuid4().hex[:8]}"
+    base = {"BROKER_URL": broker_url, "PREFIX": prefix, "MAX_DELAY": 60}
+    try:
+        with override_settings(DEFERRED={**base, **values}):
+            yield prefix
+    finally:
+        with override_settings(DEFERRED=base), admin_channel(broker_url) as admin:
+            for plan in _every_plan(admin, plan_topology(get_settings())):
+                admin.delete_everything(plan)
+
+
+def current_plan() -> Plan:
+    return plan_topology(get_settings())
+
+
+def test_second_run_changes_nothing_and_says_so(topology):
+    assert "nothing changed" in run()
+    data = json.loads(run("--format", "json"))
+    assert data["changed"] is False and data["created"] == []
+
+
+def test_first_run_says_what_it_created(broker_url):
+    with own_prefix(broker_url, RADIX=16):
+        out = run()
+        assert "Declared topology r16.1ms.L4.classic: created" in out
+        assert "nothing changed" in run()
+
+
+def test_dry_run_prints_the_plan_and_touches_nothing(broker_url):
+    with own_prefix(broker_url, RADIX=4):
+        text = run("--dry-run")
+        assert "Topology r4.1ms.L8.classic" in text and "ttl=" in text
+        plan = json.loads(run("--dry-run", "--format", "json"))
+        assert plan["radix"] == 4 and plan["levels"] == 8
+        ttls = sorted(q["arguments"]["x-message-ttl"] for q in plan["queues"]
+                      if "x-message-ttl" in q["arguments"])
+        assert ttls[:4] == [1, 2, 3, 4]
+        assert {b["destination_type"] for b in plan["bindings"]} == {"queue", "exchange"}
+        with admin_channel(broker_url) as admin:
+            assert not admin.exchange_exists(current_plan().ingest_exchange)
+            assert not admin.queue_exists(current_plan().ready_queues["default"].name)
+
+
+def test_queue_with_other_arguments_is_a_clear_error(broker_url):
+    with own_prefix(broker_url) as prefix:
+        with admin_channel(broker_url) as admin:
+            admin.channel.queue_declare(f"{prefix}.ready.default", durable=True,
+                                        arguments={"x-queue-type": "quorum"})
+        with pytest.raises(CommandError) as caught:
+            run()
+        message = str(caught.value)
+        assert f"{prefix}.ready.default" in message
+        assert "delete_queue" in message and "inequivalent arg" in message
+
+
+def test_quorum_mode(broker_url, run_worker, records):
+    with own_prefix(broker_url, QUEUE_TYPE="quorum", RADIX=4) as prefix:
+        run()
+        listed = rabbitmqctl("list_queues", "name", "type", "arguments", "-q", "--no-table-headers")
+        mine = [line for line in listed.splitlines() if line.startswith(prefix)]
+        delay_lines = [line for line in mine if ".delay." in line]
+        assert delay_lines and all("quorum" in line for line in mine)
+        assert all("at-least-once" in line for line in delay_lines)
+        run_worker()
+        start = time.time()
+        for n in (3, 2, 1):
+            defer(record, n * 0.2, records, str(n))
+        assert wait_for(lambda: len(read_records(records)) == 3, 15)
+        at = {r["label"]: r["at"] for r in read_records(records)}
+        assert sorted(at, key=at.get) == ["1", "2", "3"]
+        assert all(at[n] >= start + int(n) * 0.2 for n in at)
+
+
+def test_changing_the_radix_strands_no_pending_job(broker_url, run_worker, records):
+    with own_prefix(broker_url, RADIX=2) as prefix:
+        base = {"BROKER_URL": broker_url, "PREFIX": prefix, "MAX_DELAY": 60}
+        run()
+        old = current_plan()
+        due = {}
+        for n in range(15):
+            due[f"old-{n}"] = time.time() + 0.8 + n * 0.05
+            defer(record, 0.8 + n * 0.05, records, f"old-{n}")
+        # A deploy with a new radix: the new topology is declared beside the old.
+        with override_settings(DEFERRED={**base, "RADIX": 4}):
+            assert "Declared topology r4." in run()
+            for n in range(15):
+                due[f"new-{n}"] = time.time() + 0.3 + n * 0.05
+                defer(record, 0.3 + n * 0.05, records, f"new-{n}")
+            listing = json.loads(run("--list", "--format", "json"))
+            rows = {row["topology"]: row for row in listing}
+            assert rows[old.topology_id]["current"] is False
+            assert rows[old.topology_id]["pending"] > 0
+            assert rows[current_plan().topology_id]["current"] is True
+            # Not empty yet: --remove-empty keeps it.
+            run("--remove-empty")
+            with admin_channel(broker_url) as admin:
+                assert admin.exchange_exists(old.ingest_exchange)
+
+            run_worker()
+            assert wait_for(lambda: len(read_records(records)) >= 30, 15)
+            time.sleep(0.3)
+            runs = read_records(records)
+            assert sorted(r["label"] for r in runs) == sorted(due)  # each exactly once
+            assert all(r["at"] >= due[r["label"]] for r in runs)  # none early
+
+            out = run("--remove-empty")
+            assert "removed" in out
+            listing = json.loads(run("--list", "--format", "json"))
+            assert [row["topology"] for row in listing] == [current_plan().topology_id]
+            with admin_channel(broker_url) as admin:
+                assert not admin.exchange_exists(old.ingest_exchange)
+                assert not admin.queue_exists(old.delay_queues[0].name)
+                assert admin.queue_exists(old.ready_queues["default"].name)  # shared, kept

@@ -1,0 +1,157 @@
+"""The worker against the real broker: failures, heartbeats, signals, kills, reconnects."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+
+import pika
+import pytest
+from django.test import override_settings
+
+from deferred import defer
+from deferred.jobs import Job, new_job_id, utcnow
+from tests.conftest import depth, rabbitmqctl, wait_for
+from tests.testapp.tasks import explode, read_records, record, sleepy
+
+pytestmark = pytest.mark.usefixtures("clean")
+
+
+def failed_records(channel, plan) -> list[dict]:
+    """Take every record out of the failed queue."""
+    out = []
+    while True:
+        method, props, body = channel.basic_get(plan.failed_queue.name, auto_ack=True)
+        if method is None:
+            return out
+        out.append({**json.loads(body), "_headers": props.headers})
+
+
+def test_a_raising_task_goes_to_the_failed_queue_with_its_traceback(clean, raw_channel, run_worker,
+                                                                    records):
+    run_worker()
+    job_id = defer(explode, 0, "kaboom")
+    defer(record, 0.05, records, "after")
+    assert wait_for(lambda: depth(raw_channel, clean.failed_queue.name) == 1, 10)
+    (failed,) = failed_records(raw_channel, clean)
+    assert failed["reason"] == "task_error"
+    assert failed["job"]["id"] == job_id and failed["job"]["task"] == "tests.explode"
+    assert failed["error"]["type"] == "builtins.RuntimeError"
+    assert failed["error"]["message"] == "kaboom"
+    assert "raise RuntimeError(message)" in failed["error"]["traceback"]
+    assert failed["attempts"] == 1 and failed["due"] and failed["failed_at"]
+    assert failed["_headers"]["x-deferred-reason"] == "task_error"
+    # The worker goes on.
+    assert wait_for(lambda: len(read_records(records)) == 1, 5)
+
+
+def publish_raw(channel, queue: str, body: bytes) -> None:
+    channel.basic_publish("", queue, body, pika.BasicProperties(delivery_mode=2))
+
+
+def test_unknown_task_and_garbage_land_in_the_failed_queue(clean, raw_channel, run_worker, records):
+    run_worker()
+    ready = clean.ready_queues["default"].name
+    unknown = Job(id=new_job_id(), task="no.such.task", args=(), kwargs={}, due=utcnow(),
+                  queue="default")
+    publish_raw(raw_channel, ready, unknown.encode())
+    publish_raw(raw_channel, ready, b"\x00\xffnot json at all")
+    publish_raw(raw_channel, ready, b'{"version": 1, "id": "x"}')
+    defer(record, 0.1, records, "still-alive")
+    assert wait_for(lambda: depth(raw_channel, clean.failed_queue.name) == 3, 10)
+    by_reason = sorted(r["reason"] for r in failed_records(raw_channel, clean))
+    assert by_reason == ["undecodable", "undecodable", "unknown_task"]
+    assert wait_for(lambda: len(read_records(records)) == 1, 5)
+
+
+def test_a_job_delivered_early_waits_for_the_rest(clean, raw_channel, run_worker, records):
+    # A message put straight into the ready queue before its due time (clock skew
+    # between hosts, or a hand-made message) goes back to wait: never early.
+    run_worker()
+    due = utcnow().timestamp() + 0.4
+    from datetime import UTC, datetime
+
+    job = Job(id=new_job_id(), task=record.name, args=(records, "early"), kwargs={},
+              due=datetime.fromtimestamp(due, UTC), queue="default")
+    publish_raw(raw_channel, clean.ready_queues["default"].name, job.encode())
+    assert wait_for(lambda: len(read_records(records)) == 1, 5)
+    assert read_records(records)[0]["at"] >= due
+
+
+def test_long_task_keeps_heartbeats_alive(clean, broker_url, run_worker, records):
+    # Heartbeat every second; the task runs for five. If the I/O thread stopped
+    # heart-beating, RabbitMQ would close the connection and redeliver the job.
+    url = broker_url + ("&" if "?" in broker_url else "?") + "heartbeat=1"
+    with override_settings(DEFERRED={"BROKER_URL": url, "PREFIX": clean.prefix,
+                                     "QUEUES": ["default", "other"]}):
+        worker = run_worker()
+        generation = worker.consumer.generation
+        defer(sleepy, 0, records, "long", 5)
+        assert wait_for(lambda: any(r["event"] == "end" for r in read_records(records)), 15)
+        time.sleep(1.5)
+        assert [r["event"] for r in read_records(records)] == ["start", "end"]
+        assert worker.consumer.generation == generation, "the connection was lost"
+
+
+def test_sigterm_mid_job_finishes_it_and_exits_0(clean, raw_channel, worker_process, records):
+    worker = worker_process()
+    defer(sleepy, 0, records, "term", 2)
+    assert wait_for(lambda: read_records(records), 10)
+    worker.signal(signal.SIGTERM)
+    assert worker.wait(30) == 0, worker.output()
+    assert [r["event"] for r in read_records(records)] == ["start", "end"]
+    assert "SIGTERM received" in worker.output()
+    # It was acked: nothing is left to redeliver.
+    assert depth(raw_channel, clean.ready_queues["default"].name) == 0
+
+
+def test_sigint_stops_too(worker_process):
+    worker = worker_process("--queue", "default")
+    worker.signal(signal.SIGINT)
+    assert worker.wait(30) == 0, worker.output()
+
+
+def test_sigkill_mid_job_redelivers_it(clean, worker_process, records):
+    first = worker_process()
+    defer(sleepy, 0, records, "killed", 2)
+    assert wait_for(lambda: read_records(records), 10)
+    first.kill()
+    worker_process()
+    assert wait_for(lambda: [r["event"] for r in read_records(records)] == ["start", "start", "end"],
+                    20), read_records(records)
+
+
+def test_worker_reconnects_after_connections_are_closed(clean, run_worker, records):
+    worker = run_worker(concurrency=2)
+    generation = worker.consumer.generation
+    start = time.time()
+    for n in range(10):
+        defer(record, 1.0 + n * 0.1, records, str(n))
+    rabbitmqctl("close_all_connections", "test: the worker must reconnect")
+    assert wait_for(lambda: worker.consumer.generation > generation and worker.consuming.is_set(),
+                    30)
+    # Pending delayed jobs still run, once each, not early; and defer() reconnects too.
+    defer(record, 0, records, "after")
+    assert wait_for(lambda: len(read_records(records)) == 11, 30), read_records(records)
+    at = {r["label"]: r["at"] for r in read_records(records)}
+    assert all(at[str(n)] >= start + 1.0 + n * 0.1 for n in range(10))
+
+
+def test_bad_command_line_options_are_refused():
+    from django.core.management import CommandError, call_command
+
+    with pytest.raises(CommandError, match="nowhere"):
+        call_command("run_deferred_worker", "--queue", "nowhere")
+    with pytest.raises(CommandError):
+        call_command("run_deferred_worker", "--concurrency", "0")
+
+
+def test_close_old_connections_runs_around_each_job(clean, run_worker, records, monkeypatch):
+    calls = []
+    monkeypatch.setattr("deferred.worker.close_old_connections", lambda: calls.append(time.time()))
+    run_worker()
+    defer(record, 0, records, "db")
+    assert wait_for(lambda: len(calls) >= 2, 5)
+    ran = read_records(records)[0]["at"]
+    assert calls[0] <= ran <= calls[1]
