@@ -1,11 +1,11 @@
 """deferred: run a Django function later, after its own delay, on plain RabbitMQ.
 
-    from deferred import task, defer
+from deferred import task, defer
 
-    @task
-    def send_reminder(reminder_id): ...
+@task
+def send_reminder(reminder_id): ...
 
-    defer(send_reminder, timedelta(hours=24), reminder.pk)
+defer(send_reminder, timedelta(hours=24), reminder.pk)
 """
 
 from deferred.broker import BrokerError

@@ -86,7 +86,6 @@ def _duration_ms(name: str, value: Any) -> float:
     return value * 1000
 
 
-
 def _build(raw: Any) -> DeferredSettings:
     if raw is None:
         raw = {}

@@ -44,7 +44,8 @@ def exact_delay_ms(delay: object, now: datetime) -> Fraction:
     else:
         if not math.isfinite(delay):
             raise InvalidDelay(f"The delay must be a finite number of seconds, got {delay!r}.")
-        value = Fraction(delay) * 1000
+        exact = delay if isinstance(delay, int | float | Decimal | Fraction) else float(delay)
+        value = Fraction(exact) * 1000
     if value < 0:
         raise InvalidDelay(f"The delay must not be negative, got {delay!r}.")
     return value

@@ -99,7 +99,7 @@ class Job:
 
 def _typed(data: dict[str, Any], key: str, kind: type) -> Any:
     value = data[key]
-    if not isinstance(value, kind) or isinstance(value, bool) and kind is int:
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
         raise BrokenMessage(f"field {key!r} must be {kind.__name__}, got {value!r}")
     return value
 

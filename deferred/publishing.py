@@ -65,9 +65,7 @@ def _resolve(task: object) -> Task[..., Any]:
         # unknown to the worker: insist on the registered one by name.
         registered = get_task(task.name)
         if registered.func is not task.func:
-            raise ValueError(
-                f"Task {task.name!r} is not the function registered under that name."
-            )
+            raise ValueError(f"Task {task.name!r} is not the function registered under that name.")
         return task
     if isinstance(task, str):
         return get_task(task)

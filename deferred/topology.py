@@ -158,7 +158,9 @@ def _queue_arguments(queue_type: str) -> dict[str, Any]:
     return {}
 
 
-def _delay_queue_arguments(queue_type: str, ttl_ms: int, dead_letter_exchange: str) -> dict:
+def _delay_queue_arguments(
+    queue_type: str, ttl_ms: int, dead_letter_exchange: str
+) -> dict[str, Any]:
     args: dict[str, Any] = {
         **_queue_arguments(queue_type),
         "x-message-ttl": ttl_ms,
@@ -236,6 +238,7 @@ def build_plan(
     top_digit = min(radix - 1, max_units // radix ** (levels - 1))
     exchanges = [Exchange(ingest), Exchange(dispatch)]
     delay_queues: list[Queue] = []
+    positions: list[tuple[int, int, str]] = []
     bindings: list[Binding] = []
     for level in range(levels - 1, -1, -1):
         exchanges.append(Exchange(level_exchange(level)))
@@ -256,10 +259,9 @@ def build_plan(
                     digit=digit,
                 )
             )
+            positions.append((level, digit, delay_queues[-1].name))
 
-    by_position = {(q.level, q.digit): q.name for q in delay_queues}
-    for (level, digit), queue_name in by_position.items():
-        assert level is not None and digit is not None
+    for level, digit, queue_name in positions:
         # From the ingest exchange: every digit above ``level`` is zero.
         words = ["0"] * (levels - 1 - level) + [str(digit)] + ["*"] * level
         bindings.append(Binding(ingest, queue_name, pattern(words)))

@@ -96,8 +96,9 @@ class Worker:
         if self._stopping.is_set():
             logger.warning("%s again: still waiting for %d running job(s).", name, self._inflight)
         else:
-            logger.warning("%s received: finishing %d running job(s), then exiting.", name,
-                           self._inflight)
+            logger.warning(
+                "%s received: finishing %d running job(s), then exiting.", name, self._inflight
+            )
         self.stop()
 
     def run(self) -> None:
@@ -112,7 +113,8 @@ class Worker:
                     self.consuming.set()
                     logger.info(
                         "Worker consuming %s with concurrency %d.",
-                        ", ".join(self.consumer.queues), self.concurrency,
+                        ", ".join(self.consumer.queues),
+                        self.concurrency,
                     )
                     wait_s = RECONNECT_FIRST_S
                     while not self._stopping.is_set():
@@ -126,7 +128,9 @@ class Worker:
                         break
                     logger.error(
                         "RabbitMQ unavailable: %s. Running jobs go on; their messages will be "
-                        "redelivered. Reconnecting in %.1f s.", exc, wait_s,
+                        "redelivered. Reconnecting in %.1f s.",
+                        exc,
+                        wait_s,
                     )
                     self._stopping.wait(wait_s)
                     wait_s = min(wait_s * 2, RECONNECT_CAP_S)
@@ -146,9 +150,12 @@ class Worker:
         self.consumer.poll(0)  # deliver the last acks
 
     def _install_signals(self) -> dict[int, Any]:
-        if not self.install_signal_handlers or threading.current_thread() is not threading.main_thread():
+        if (
+            not self.install_signal_handlers
+            or threading.current_thread() is not threading.main_thread()
+        ):
             return {}
-        previous = {}
+        previous: dict[int, Any] = {}
         for signum in (signal.SIGTERM, signal.SIGINT):
             previous[signum] = signal.signal(signum, self._on_signal)
         return previous
@@ -179,16 +186,22 @@ class Worker:
         except BrokerError as exc:
             logger.error(
                 "Could not record the outcome of a message from %s (%s); handing it back "
-                "to RabbitMQ in %.0f s.", delivery.queue, exc, REQUEUE_PAUSE_S,
+                "to RabbitMQ in %.0f s.",
+                delivery.queue,
+                exc,
+                REQUEUE_PAUSE_S,
             )
             self._stopping.wait(REQUEUE_PAUSE_S)
         except BaseException:
-            logger.exception("Unexpected error handling a message from %s; requeueing it.",
-                             delivery.queue)
+            logger.exception(
+                "Unexpected error handling a message from %s; requeueing it.", delivery.queue
+            )
         finally:
             if not self.consumer.settle_threadsafe(delivery, ack=ack, requeue=True):
-                logger.warning("The connection that delivered this job is gone; RabbitMQ "
-                               "will redeliver it (it may run again).")
+                logger.warning(
+                    "The connection that delivered this job is gone; RabbitMQ "
+                    "will redeliver it (it may run again)."
+                )
             with self._lock:
                 self._inflight -= 1
 
@@ -205,8 +218,9 @@ class Worker:
                 reason=failures.UNDECODABLE, job=None, body=delivery.body, detail=str(exc)
             )
             failures.store_failure(self.settings, record, message_id="")
-            logger.error("job=? queue=%s outcome=failed reason=undecodable detail=%s",
-                         delivery.queue, exc)
+            logger.error(
+                "job=? queue=%s outcome=failed reason=undecodable detail=%s", delivery.queue, exc
+            )
             return "failed"
 
         started = utcnow()
@@ -240,28 +254,41 @@ class Worker:
             reason=failures.TASK_ERROR, job=job, body=delivery.body, error=error
         )
         failures.store_failure(self.settings, record, message_id=job.id)
-        self._log(job, lateness_ms, "failed", duration_ms,
-                  f"error={type(error).__name__}: {error}")
+        self._log(job, lateness_ms, "failed", duration_ms, f"error={type(error).__name__}: {error}")
         return "failed"
 
     def _reschedule_early(self, job: Job, now: datetime) -> str:
         """A job that arrived before its due time (e.g. the clocks of two hosts differ)
         goes back to wait for the rest: never early."""
         wait_ms = delay_ms(
-            job.due, now=now,
-            resolution_ms=self.settings.resolution_ms, max_delay_ms=self.settings.max_delay_ms,
+            job.due,
+            now=now,
+            resolution_ms=self.settings.resolution_ms,
+            max_delay_ms=self.settings.max_delay_ms,
         )
         publish(job, wait_ms, settings=self.settings)
-        self._log(job, (now - job.due).total_seconds() * 1000, "rescheduled", 0.0,
-                  f"early_by_ms={wait_ms}")
+        self._log(
+            job,
+            (now - job.due).total_seconds() * 1000,
+            "rescheduled",
+            0.0,
+            f"early_by_ms={wait_ms}",
+        )
         return "rescheduled"
 
     @staticmethod
-    def _log(job: Job, lateness_ms: float, outcome: str, duration_ms: float, extra: str = "") -> None:
+    def _log(
+        job: Job, lateness_ms: float, outcome: str, duration_ms: float, extra: str = ""
+    ) -> None:
         level = logging.INFO if outcome in ("succeeded", "rescheduled") else logging.ERROR
         logger.log(
             level,
             "job=%s task=%s attempt=%d lateness_ms=%.1f outcome=%s duration_ms=%.1f%s",
-            job.id, job.task, job.attempt, lateness_ms, outcome, duration_ms,
+            job.id,
+            job.task,
+            job.attempt,
+            lateness_ms,
+            outcome,
+            duration_ms,
             f" {extra}" if extra else "",
         )

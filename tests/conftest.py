@@ -51,11 +51,17 @@ def broker_url() -> str:
 def _every_plan(admin, plan: Plan) -> list[Plan]:
     plans = [plan]
     for record in admin.topology_records(plan):
-        plans.append(build_plan(
-            prefix=plan.prefix, radix=record["radix"], resolution_ms=record["resolution_ms"],
-            max_delay_ms=record["max_delay_ms"], queue_type=record["queue_type"],
-            queues=tuple(plan.ready_queues), levels=record["levels"],
-        ))
+        plans.append(
+            build_plan(
+                prefix=plan.prefix,
+                radix=record["radix"],
+                resolution_ms=record["resolution_ms"],
+                max_delay_ms=record["max_delay_ms"],
+                queue_type=record["queue_type"],
+                queues=tuple(plan.ready_queues),
+                levels=record["levels"],
+            )
+        )
     return plans
 
 
@@ -134,10 +140,14 @@ class WorkerProcess:
         env = {**os.environ, "DJANGO_SETTINGS_MODULE": "tests.settings", "PYTHONPATH": str(ROOT)}
         self.proc = subprocess.Popen(
             [sys.executable, str(ROOT / "manage.py"), "run_deferred_worker", *args],
-            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=log.open("w"),
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=log.open("w"),
         )
-        assert wait_for(lambda: "Worker consuming" in self.output() or self.proc.poll() is not None,
-                        20), self.output()
+        assert wait_for(
+            lambda: "Worker consuming" in self.output() or self.proc.poll() is not None, 20
+        ), self.output()
         assert self.proc.poll() is None, self.output()
 
     def output(self) -> str:

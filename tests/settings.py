@@ -30,7 +30,9 @@ DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 DEFERRED = {
     "BROKER_URL": os.environ.get("DEFERRED_BROKER_URL", "amqp://guest:guest@127.0.0.1:5672/%2F"),
-    "PREFIX": os.environ.setdefault("DEFERRED_TEST_PREFIX", f"deferred-test-{uuid.uuid4().hex[:8]}"),
+    "PREFIX": os.environ.setdefault(
+        "DEFERRED_TEST_PREFIX", f"deferred-test-{uuid.uuid4().hex[:8]}"
+    ),
     "QUEUES": ["default", "other"],
 }
 

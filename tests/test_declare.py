@@ -64,8 +64,11 @@ def test_dry_run_prints_the_plan_and_touches_nothing(broker_url):
         assert "Topology r4.1ms.L8.classic" in text and "ttl=" in text
         plan = json.loads(run("--dry-run", "--format", "json"))
         assert plan["radix"] == 4 and plan["levels"] == 8
-        ttls = sorted(q["arguments"]["x-message-ttl"] for q in plan["queues"]
-                      if "x-message-ttl" in q["arguments"])
+        ttls = sorted(
+            q["arguments"]["x-message-ttl"]
+            for q in plan["queues"]
+            if "x-message-ttl" in q["arguments"]
+        )
         assert ttls[:4] == [1, 2, 3, 4]
         assert {b["destination_type"] for b in plan["bindings"]} == {"queue", "exchange"}
         with admin_channel(broker_url) as admin:
@@ -76,8 +79,9 @@ def test_dry_run_prints_the_plan_and_touches_nothing(broker_url):
 def test_queue_with_other_arguments_is_a_clear_error(broker_url):
     with own_prefix(broker_url) as prefix:
         with admin_channel(broker_url) as admin:
-            admin.channel.queue_declare(f"{prefix}.ready.default", durable=True,
-                                        arguments={"x-queue-type": "quorum"})
+            admin.channel.queue_declare(
+                f"{prefix}.ready.default", durable=True, arguments={"x-queue-type": "quorum"}
+            )
         with pytest.raises(CommandError) as caught:
             run()
         message = str(caught.value)

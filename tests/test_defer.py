@@ -49,7 +49,8 @@ def test_naive_single_queue_with_per_message_ttl_delivers_late_and_out_of_order(
     ch = raw_channel
     sink = ch.queue_declare("", exclusive=True).method.queue
     waiting = ch.queue_declare(
-        "", exclusive=True,
+        "",
+        exclusive=True,
         arguments={"x-dead-letter-exchange": "", "x-dead-letter-routing-key": sink},
     ).method.queue
     start = time.monotonic()
@@ -87,15 +88,17 @@ def test_randomized_200_jobs_each_once_never_early(records, run_worker, capsys):
     p50 = statistics.median(lateness_ms)
     p99 = lateness_ms[int(len(lateness_ms) * 0.99) - 1]
     with capsys.disabled():
-        print(f"\n200 random jobs 0-3000 ms: lateness p50 {p50:.1f} ms, p99 {p99:.1f} ms, "
-              f"max {lateness_ms[-1]:.1f} ms")
+        print(
+            f"\n200 random jobs 0-3000 ms: lateness p50 {p50:.1f} ms, p99 {p99:.1f} ms, "
+            f"max {lateness_ms[-1]:.1f} ms"
+        )
     assert p99 < 2000, "grossly late"
 
 
 def test_defer_returns_the_job_id_carried_by_the_message(clean, raw_channel):
     job_id = defer(record, 0, "/dev/null", "x")
     assert wait_for(lambda: depth(raw_channel, clean.ready_queues["default"].name) == 1, 5)
-    method, props, body = raw_channel.basic_get(clean.ready_queues["default"].name, auto_ack=True)
+    _method, props, body = raw_channel.basic_get(clean.ready_queues["default"].name, auto_ack=True)
     job = Job.decode(body)
     assert job.id == job_id == props.message_id
     assert props.delivery_mode == 2  # persistent
@@ -167,8 +170,9 @@ def test_undeclared_topology_raises_a_clear_error(broker_url):
 def test_unroutable_message_raises_instead_of_vanishing(broker_url):
     # The delay exchanges exist but the ready queue is gone: mandatory + confirms catch it.
     prefix = "deferred-unroutable"
-    with override_settings(DEFERRED={"BROKER_URL": broker_url, "PREFIX": prefix, "RADIX": 16,
-                                     "MAX_DELAY": 60}):
+    with override_settings(
+        DEFERRED={"BROKER_URL": broker_url, "PREFIX": prefix, "RADIX": 16, "MAX_DELAY": 60}
+    ):
         from django.core.management import call_command
 
         from deferred.conf import get_settings

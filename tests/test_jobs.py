@@ -38,10 +38,22 @@ def test_arguments_must_be_json(bad):
         b"[]",
         b'{"version": 99}',
         b'{"version": 1}',
-        json.dumps({**json.loads(Job(id="a", task="t", args=(), kwargs={}, due=DUE,
-                                      queue="q").encode()), "attempt": "1"}).encode(),
-        json.dumps({**json.loads(Job(id="a", task="t", args=(), kwargs={}, due=DUE,
-                                      queue="q").encode()), "due": "2026-01-01T00:00"}).encode(),
+        json.dumps(
+            {
+                **json.loads(
+                    Job(id="a", task="t", args=(), kwargs={}, due=DUE, queue="q").encode()
+                ),
+                "attempt": "1",
+            }
+        ).encode(),
+        json.dumps(
+            {
+                **json.loads(
+                    Job(id="a", task="t", args=(), kwargs={}, due=DUE, queue="q").encode()
+                ),
+                "due": "2026-01-01T00:00",
+            }
+        ).encode(),
     ],
 )
 def test_broken_bodies(body):

@@ -97,8 +97,14 @@ def test_one_queue_per_level_and_digit_with_its_ttl(radix):
 @pytest.mark.parametrize("radix", [2, 4, 10, 16])
 def test_binding_patterns(radix):
     plan = make(radix=radix, max_delay_ms=radix**3 - 1)
-    patterns = {(b.source.rsplit(".", 1)[-1], b.destination.rsplit(".", 2)[-2:][0] + "."
-                 + b.destination.rsplit(".", 1)[-1], b.routing_key) for b in plan.bindings}
+    patterns = {
+        (
+            b.source.rsplit(".", 1)[-1],
+            b.destination.rsplit(".", 2)[-2:][0] + "." + b.destination.rsplit(".", 1)[-1],
+            b.routing_key,
+        )
+        for b in plan.bindings
+    }
     d = radix - 1
     # From the ingest exchange to the top level's queue of digit d: "d.*.*.*".
     assert ("ingest", f"L02.d{d:02d}", f"{d}.*.*.*") in patterns
@@ -107,8 +113,12 @@ def test_binding_patterns(radix):
     # After level 2, on to level 0 when level 1 is zero.
     assert ("L02", "L00.d01", "*.0.1.*") in patterns
     # No digit left: to the dispatch exchange, then to the ready queue.
-    assert any(b.source.endswith("ingest") and b.destination_type == "exchange"
-               and b.routing_key == "0.0.0.*" for b in plan.bindings)
+    assert any(
+        b.source.endswith("ingest")
+        and b.destination_type == "exchange"
+        and b.routing_key == "0.0.0.*"
+        for b in plan.bindings
+    )
     ready = [b for b in plan.bindings if b.destination == "p.ready.default"]
     assert [b.routing_key for b in ready] == ["*.*.*.default"]
 
@@ -159,8 +169,15 @@ def test_routing_key_limit_of_255_bytes():
     key = plan.routing_key(MAX_TTL_MS, "q" * 100)
     assert len(key.encode()) <= MAX_ROUTING_KEY_BYTES
     with pytest.raises(TopologyError, match="255"):
-        build_plan(prefix="p", radix=2, resolution_ms=1, max_delay_ms=MAX_TTL_MS,
-                   queue_type="classic", queues=("q" * 100,), levels=80)
+        build_plan(
+            prefix="p",
+            radix=2,
+            resolution_ms=1,
+            max_delay_ms=MAX_TTL_MS,
+            queue_type="classic",
+            queues=("q" * 100,),
+            levels=80,
+        )
 
 
 def test_quorum_queues_dead_letter_at_least_once():

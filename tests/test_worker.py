@@ -28,8 +28,9 @@ def failed_records(channel, plan) -> list[dict]:
         out.append({**json.loads(body), "_headers": props.headers})
 
 
-def test_a_raising_task_goes_to_the_failed_queue_with_its_traceback(clean, raw_channel, run_worker,
-                                                                    records):
+def test_a_raising_task_goes_to_the_failed_queue_with_its_traceback(
+    clean, raw_channel, run_worker, records
+):
     run_worker()
     job_id = defer(explode, 0, "kaboom")
     defer(record, 0.05, records, "after")
@@ -53,8 +54,9 @@ def publish_raw(channel, queue: str, body: bytes) -> None:
 def test_unknown_task_and_garbage_land_in_the_failed_queue(clean, raw_channel, run_worker, records):
     run_worker()
     ready = clean.ready_queues["default"].name
-    unknown = Job(id=new_job_id(), task="no.such.task", args=(), kwargs={}, due=utcnow(),
-                  queue="default")
+    unknown = Job(
+        id=new_job_id(), task="no.such.task", args=(), kwargs={}, due=utcnow(), queue="default"
+    )
     publish_raw(raw_channel, ready, unknown.encode())
     publish_raw(raw_channel, ready, b"\x00\xffnot json at all")
     publish_raw(raw_channel, ready, b'{"version": 1, "id": "x"}')
@@ -72,8 +74,14 @@ def test_a_job_delivered_early_waits_for_the_rest(clean, raw_channel, run_worker
     due = utcnow().timestamp() + 0.4
     from datetime import UTC, datetime
 
-    job = Job(id=new_job_id(), task=record.name, args=(records, "early"), kwargs={},
-              due=datetime.fromtimestamp(due, UTC), queue="default")
+    job = Job(
+        id=new_job_id(),
+        task=record.name,
+        args=(records, "early"),
+        kwargs={},
+        due=datetime.fromtimestamp(due, UTC),
+        queue="default",
+    )
     publish_raw(raw_channel, clean.ready_queues["default"].name, job.encode())
     assert wait_for(lambda: len(read_records(records)) == 1, 5)
     assert read_records(records)[0]["at"] >= due
@@ -83,8 +91,9 @@ def test_long_task_keeps_heartbeats_alive(clean, broker_url, run_worker, records
     # Heartbeat every second; the task runs for five. If the I/O thread stopped
     # heart-beating, RabbitMQ would close the connection and redeliver the job.
     url = broker_url + ("&" if "?" in broker_url else "?") + "heartbeat=1"
-    with override_settings(DEFERRED={"BROKER_URL": url, "PREFIX": clean.prefix,
-                                     "QUEUES": ["default", "other"]}):
+    with override_settings(
+        DEFERRED={"BROKER_URL": url, "PREFIX": clean.prefix, "QUEUES": ["default", "other"]}
+    ):
         worker = run_worker()
         generation = worker.consumer.generation
         defer(sleepy, 0, records, "long", 5)
@@ -118,8 +127,9 @@ def test_sigkill_mid_job_redelivers_it(clean, worker_process, records):
     assert wait_for(lambda: read_records(records), 10)
     first.kill()
     worker_process()
-    assert wait_for(lambda: [r["event"] for r in read_records(records)] == ["start", "start", "end"],
-                    20), read_records(records)
+    assert wait_for(
+        lambda: [r["event"] for r in read_records(records)] == ["start", "start", "end"], 20
+    ), read_records(records)
 
 
 def test_worker_reconnects_after_connections_are_closed(clean, run_worker, records):
@@ -129,8 +139,9 @@ def test_worker_reconnects_after_connections_are_closed(clean, run_worker, recor
     for n in range(10):
         defer(record, 1.0 + n * 0.1, records, str(n))
     rabbitmqctl("close_all_connections", "test: the worker must reconnect")
-    assert wait_for(lambda: worker.consumer.generation > generation and worker.consuming.is_set(),
-                    30)
+    assert wait_for(
+        lambda: worker.consumer.generation > generation and worker.consuming.is_set(), 30
+    )
     # Pending delayed jobs still run, once each, not early; and defer() reconnects too.
     defer(record, 0, records, "after")
     assert wait_for(lambda: len(read_records(records)) == 11, 30), read_records(records)

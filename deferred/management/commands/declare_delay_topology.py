@@ -65,22 +65,27 @@ class Command(BaseCommand):
         except BrokerError as exc:
             raise CommandError(str(exc)) from exc
         if as_json:
-            self._emit({**plan.describe(), "changed": report.changed, "created": report.created},
-                       True)
+            self._emit(
+                {**plan.describe(), "changed": report.changed, "created": report.created}, True
+            )
         elif report.changed:
-            self.stdout.write(self.style.SUCCESS(
-                f"Declared topology {plan.topology_id}: created {len(report.created)} "
-                f"exchanges and queues, {len(report.existing)} already present; "
-                f"{report.bindings} bindings."
-            ))
+            self.stdout.write(
+                self.style.SUCCESS(
+                    f"Declared topology {plan.topology_id}: created {len(report.created)} "
+                    f"exchanges and queues, {len(report.existing)} already present; "
+                    f"{report.bindings} bindings."
+                )
+            )
             if options["verbosity"] > 1:
                 self.stdout.write("\n".join(f"  created {name}" for name in report.created))
         else:
-            self.stdout.write(self.style.SUCCESS(
-                f"Topology {plan.topology_id} is already declared: nothing changed "
-                f"({len(report.existing)} exchanges and queues present, "
-                f"{report.bindings} bindings confirmed)."
-            ))
+            self.stdout.write(
+                self.style.SUCCESS(
+                    f"Topology {plan.topology_id} is already declared: nothing changed "
+                    f"({len(report.existing)} exchanges and queues present, "
+                    f"{report.bindings} bindings confirmed)."
+                )
+            )
 
     def _emit(self, payload: Any, as_json: bool) -> None:
         self.stdout.write(json.dumps(payload, indent=2) if as_json else payload)

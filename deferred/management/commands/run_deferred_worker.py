@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
@@ -49,8 +50,10 @@ class Command(BaseCommand):
         logger = logging.getLogger("deferred")
         logger.setLevel(_LEVELS.get(options["verbosity"], logging.INFO))
         if not logger.handlers and not logging.getLogger().handlers:
-            handler = logging.StreamHandler(self.stderr._out)
-            handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
+            handler = logging.StreamHandler(sys.stderr)
+            handler.setFormatter(
+                logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s")
+            )
             logger.addHandler(handler)
         try:
             worker = Worker(queues=options["queues"], concurrency=options["concurrency"])
