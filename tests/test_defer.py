@@ -16,7 +16,7 @@ from django.utils import timezone
 from deferred import defer
 from deferred.broker import BrokerUnavailable, TopologyNotDeclared, admin_channel
 from deferred.jobs import Job
-from tests.conftest import depth, total_waiting, wait_for
+from tests.conftest import depth, rabbitmqctl, total_waiting, wait_for
 from tests.testapp.tasks import explode, on_other, read_records, record
 
 pytestmark = pytest.mark.usefixtures("clean")
@@ -215,3 +215,17 @@ def test_threads_each_get_a_connection(clean, raw_channel, records, run_worker):
     run_worker(concurrency=4)
     assert wait_for(lambda: len(read_records(records)) == 200, 20)
     assert len({r["label"] for r in read_records(records)}) == 200
+
+
+def test_defer_reopens_a_connection_the_broker_dropped(clean, broker_url):
+    # An idle web process finds its connection gone: the next defer() reconnects once.
+    defer(record, 0, "/dev/null", "before")
+    rabbitmqctl("close_all_connections", "test: an idle connection was dropped")
+    time.sleep(0.5)
+    defer(record, 0, "/dev/null", "after")
+    connection = pika.BlockingConnection(pika.URLParameters(broker_url))
+    try:
+        channel = connection.channel()
+        assert wait_for(lambda: depth(channel, clean.ready_queues["default"].name) == 2, 5)
+    finally:
+        connection.close()

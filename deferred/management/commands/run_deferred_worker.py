@@ -12,6 +12,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from deferred.worker import Worker
 
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
 _LEVELS = {0: logging.WARNING, 1: logging.INFO, 2: logging.DEBUG, 3: logging.DEBUG}
 
 
@@ -48,13 +49,15 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, **options: Any) -> None:
         logger = logging.getLogger("deferred")
-        logger.setLevel(_LEVELS.get(options["verbosity"], logging.INFO))
+        level = _LEVELS.get(options["verbosity"], logging.INFO)
         if not logger.handlers and not logging.getLogger().handlers:
+            # Nothing in LOGGING for us: log to stderr so the worker is never silent.
             handler = logging.StreamHandler(sys.stderr)
-            handler.setFormatter(
-                logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s")
-            )
+            handler.setFormatter(logging.Formatter(LOG_FORMAT))
             logger.addHandler(handler)
+            logger.setLevel(level)
+        elif options["verbosity"] != 1:
+            logger.setLevel(level)
         try:
             worker = Worker(queues=options["queues"], concurrency=options["concurrency"])
         except (ImproperlyConfigured, ValueError) as exc:

@@ -1,0 +1,117 @@
+"""The README's demo command, run from a fresh clone as a new user would.
+
+(The README's test command is what CI runs from a fresh clone, so it proves
+itself.) This one clones the repository, runs ``scripts/demo.sh``, schedules a
+reminder through the web page and checks that the worker ran it.
+"""
+
+from __future__ import annotations
+
+import http.cookiejar
+import os
+import re
+import signal
+import socket
+import sqlite3
+import subprocess
+import urllib.parse
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+
+from deferred.broker import admin_channel
+from deferred.topology import build_plan
+from tests.conftest import ROOT, wait_for
+
+pytestmark = pytest.mark.slow
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_demo_command_from_a_fresh_clone(tmp_path: Path, broker_url: str) -> None:
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True)
+    port = free_port()
+    prefix = f"deferred-demo-test-{uuid.uuid4().hex[:8]}"
+    database = tmp_path / "demo.sqlite3"
+    env = {
+        **{k: v for k, v in os.environ.items() if k != "DJANGO_SETTINGS_MODULE"},
+        "PORT": str(port),
+        "DEFERRED_PREFIX": prefix,
+        "DEFERRED_BROKER_URL": broker_url,
+        "DATABASE_URL": f"sqlite:///{database}",
+    }
+    log = tmp_path / "demo.log"
+    demo = subprocess.Popen(
+        ["bash", "scripts/demo.sh"],
+        cwd=clone,
+        env=env,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+    opener = urllib.request.build_opener(
+        urllib.request.HTTPCookieProcessor(http.cookiejar.CookieJar())
+    )
+
+    def page() -> str:
+        with opener.open(base + "/", timeout=5) as response:
+            return str(response.read().decode())
+
+    def serving() -> bool:
+        try:
+            return "Delay" in page()
+        except OSError:
+            return demo.poll() is not None
+
+    try:
+        assert wait_for(serving, 300, interval=1), log.read_text()
+        assert demo.poll() is None, log.read_text()
+        token = re.search(r'name="csrfmiddlewaretoken" value="([^"]+)"', page())
+        assert token, page()
+        form = urllib.parse.urlencode(
+            {
+                "csrfmiddlewaretoken": token.group(1),
+                "message": "water the plants",
+                "delay_seconds": "0.3",
+            }
+        ).encode()
+        request = urllib.request.Request(base + "/", data=form, headers={"Referer": base + "/"})
+        with opener.open(request, timeout=10) as response:
+            assert "water the plants" in response.read().decode()
+
+        def ran() -> list[tuple[str, str]]:
+            with sqlite3.connect(database) as db:
+                return db.execute(
+                    "SELECT due_at, ran_at FROM reminders_reminder WHERE ran_at IS NOT NULL"
+                ).fetchall()
+
+        assert wait_for(ran, 20), log.read_text()
+        ((due_at, ran_at),) = ran()
+        assert ran_at >= due_at, "the reminder ran early"
+        assert "pending" not in page()
+    finally:
+        if demo.poll() is None:
+            os.killpg(demo.pid, signal.SIGINT)
+        try:
+            demo.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(demo.pid, signal.SIGKILL)
+        plan = build_plan(
+            prefix=prefix,
+            radix=2,
+            resolution_ms=1,
+            max_delay_ms=315_360_000_000,
+            queue_type="classic",
+            queues=("default",),
+        )
+        with admin_channel(broker_url) as admin:
+            admin.delete_everything(plan)
+    assert "Worker stopped." in log.read_text()
