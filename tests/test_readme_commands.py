@@ -96,7 +96,7 @@ def test_demo_command_from_a_fresh_clone(tmp_path: Path, broker_url: str) -> Non
         assert wait_for(ran, 20), log.read_text()
         ((due_at, ran_at),) = ran()
         assert ran_at >= due_at, "the reminder ran early"
-        assert "pending" not in page()
+        assert 'class="pending"' not in page()
     finally:
         if demo.poll() is None:
             os.killpg(demo.pid, signal.SIGINT)
