@@ -398,10 +398,15 @@ class Delivery:
 class Consumer:
     """The worker's single consuming connection, driven from one I/O thread."""
 
-    def __init__(self, url: str, queues: list[str], prefetch: int) -> None:
+    def __init__(
+        self, url: str, queues: list[str], prefetch: int, *, shared_prefetch: bool
+    ) -> None:
         self.url = url
         self.queues = queues
         self.prefetch = prefetch
+        #: Cap the unacked messages of all consumers together (classic queues
+        #: only: quorum queues refuse a channel-wide prefetch).
+        self.shared_prefetch = shared_prefetch
         self.generation = 0
         self._connection: pika.BlockingConnection | None = None
         self._channel: BlockingChannel | None = None
@@ -414,6 +419,8 @@ class Consumer:
         try:
             channel = connection.channel()
             channel.basic_qos(prefetch_count=self.prefetch)
+            if self.shared_prefetch:
+                channel.basic_qos(prefetch_count=self.prefetch, global_qos=True)
             for queue in self.queues:
                 try:
                     channel.queue_declare(queue, passive=True)

@@ -74,6 +74,7 @@ class Worker:
             self.settings.broker_url,
             [plan.ready_queues[q].name for q in names],
             prefetch=concurrency,
+            shared_prefetch=self.settings.queue_type == "classic",
         )
         #: Set while the worker is consuming (tests and health checks wait on it).
         self.consuming = threading.Event()

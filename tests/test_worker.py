@@ -166,3 +166,21 @@ def test_close_old_connections_runs_around_each_job(clean, run_worker, records, 
     assert wait_for(lambda: len(calls) >= 2, 5)
     ran = read_records(records)[0]["at"]
     assert calls[0] <= ran <= calls[1]
+
+
+def test_prefetch_caps_unacked_jobs_at_the_concurrency_across_queues(clean, run_worker, records):
+    run_worker(concurrency=1)
+    for n in range(3):
+        defer(sleepy, 0, records, f"d{n}", 1.0)
+        sleepy.using(queue="other").defer(0, records, f"o{n}", 1.0)
+    assert wait_for(lambda: read_records(records), 10)
+    ready = {q.name for q in clean.ready_queues.values()}
+    listed = rabbitmqctl(
+        "list_queues", "name", "messages_unacknowledged", "-q", "--no-table-headers"
+    )
+    unacked = sum(
+        int(line.split()[1])
+        for line in listed.splitlines()
+        if line.split() and line.split()[0] in ready
+    )
+    assert unacked == 1
