@@ -208,6 +208,10 @@ def admin_channel(url: str) -> Iterator[Admin]:
     pika_channel_logger.addFilter(quiet)
     try:
         yield Admin(connection)
+    except px.AMQPConnectionError as exc:
+        raise BrokerUnavailable(f"Lost the connection to RabbitMQ: {exc!r}") from exc
+    except px.AMQPError as exc:
+        raise BrokerError(f"RabbitMQ refused an operation: {exc!r}") from exc
     finally:
         pika_channel_logger.removeFilter(quiet)
         try:
@@ -282,7 +286,17 @@ class Admin:
             (report.existing if exists else report.created).append(f"queue {queue.name}")
         for exchange in plan.exchanges:
             exists = self.exchange_exists(exchange.name)
-            self.channel.exchange_declare(exchange.name, exchange.type, durable=True)
+            try:
+                self.channel.exchange_declare(exchange.name, exchange.type, durable=True)
+            except px.ChannelClosedByBroker as exc:
+                self._reopen()
+                raise TopologyConflict(
+                    f"Exchange {exchange.name!r} already exists with other properties than a "
+                    f"durable {exchange.type} exchange (RabbitMQ: {exc.reply_text}). Something "
+                    "else declared it: delete it (management UI, or `rabbitmqadmin delete "
+                    f"exchange name={exchange.name}`), or choose another PREFIX, and run "
+                    "declare_delay_topology again."
+                ) from exc
             (report.existing if exists else report.created).append(f"exchange {exchange.name}")
         for binding in plan.bindings:
             if binding.destination_type == "exchange":

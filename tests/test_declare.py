@@ -147,3 +147,16 @@ def test_changing_the_radix_strands_no_pending_job(broker_url, run_worker, recor
                 assert not admin.exchange_exists(old.ingest_exchange)
                 assert not admin.queue_exists(old.delay_queues[0].name)
                 assert admin.queue_exists(old.ready_queues["default"].name)  # shared, kept
+
+
+def test_exchange_of_another_type_is_a_clear_error(broker_url):
+    with own_prefix(broker_url, RADIX=16):
+        ingest = current_plan().ingest_exchange
+        with admin_channel(broker_url) as admin:
+            admin.channel.exchange_declare(ingest, "direct", durable=True)
+        try:
+            with pytest.raises(CommandError, match="already exists with other properties"):
+                run()
+        finally:
+            with admin_channel(broker_url) as admin:
+                admin.channel.exchange_delete(ingest)
