@@ -8,8 +8,15 @@ def send_reminder(reminder_id): ...
 defer(send_reminder, timedelta(hours=24), reminder.pk)
 """
 
-from deferred.broker import BrokerError
+from deferred.broker import BrokerError, BrokerUnavailable, TopologyNotDeclared
 from deferred.publishing import defer
 from deferred.tasks import Task, task
 
-__all__ = ["BrokerError", "Task", "defer", "task"]
+__all__ = [
+    "BrokerError",
+    "BrokerUnavailable",
+    "Task",
+    "TopologyNotDeclared",
+    "defer",
+    "task",
+]

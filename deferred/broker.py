@@ -61,10 +61,19 @@ _CONNECTION_ERRORS = (px.AMQPConnectionError, px.ChannelWrongStateError, Connect
 _NOT_DECLARED_HINT = "Run `python manage.py declare_delay_topology` (once per deploy) to create it."
 
 
+#: How long a publish may wait while RabbitMQ blocks publishers (memory or disk
+#: alarm) before failing, unless the URL sets ``blocked_connection_timeout``.
+BLOCKED_TIMEOUT_S = 30.0
+
+
 def connect(url: str) -> pika.BlockingConnection:
     """Open a connection, turning failures into ``BrokerUnavailable``."""
+    params = pika.URLParameters(url)
+    if "blocked_connection_timeout" not in url:
+        # pika's default is to wait forever: a web request would hang.
+        params.blocked_connection_timeout = BLOCKED_TIMEOUT_S
     try:
-        return pika.BlockingConnection(pika.URLParameters(url))
+        return pika.BlockingConnection(params)
     except _CONNECTION_ERRORS as exc:
         raise BrokerUnavailable(f"Cannot connect to RabbitMQ at {_safe_url(url)}: {exc!r}") from exc
 
@@ -284,21 +293,24 @@ class Admin:
             exists = self.queue_exists(queue.name)
             self.declare_queue(queue)
             (report.existing if exists else report.created).append(f"queue {queue.name}")
-        for exchange in plan.exchanges:
+        for exchange in (plan.failed_exchange, *plan.exchanges):
             exists = self.exchange_exists(exchange.name)
             try:
-                self.channel.exchange_declare(exchange.name, exchange.type, durable=True)
+                self.channel.exchange_declare(
+                    exchange.name, exchange.type, durable=True, arguments=exchange.arguments
+                )
             except px.ChannelClosedByBroker as exc:
                 self._reopen()
                 raise TopologyConflict(
                     f"Exchange {exchange.name!r} already exists with other properties than a "
-                    f"durable {exchange.type} exchange (RabbitMQ: {exc.reply_text}). Something "
+                    f"durable {exchange.type} exchange with arguments {exchange.arguments!r} "
+                    f"(RabbitMQ: {exc.reply_text}). Something "
                     "else declared it: delete it (management UI, or `rabbitmqadmin delete "
                     f"exchange name={exchange.name}`), or choose another PREFIX, and run "
                     "declare_delay_topology again."
                 ) from exc
             (report.existing if exists else report.created).append(f"exchange {exchange.name}")
-        for binding in plan.bindings:
+        for binding in (*plan.shared_bindings, *plan.bindings):
             if binding.destination_type == "exchange":
                 self.channel.exchange_bind(binding.destination, binding.source, binding.routing_key)
             else:
@@ -389,7 +401,7 @@ class Admin:
         """Delete the topology and its shared queues, messages included (tests only)."""
         for queue in (*plan.delay_queues, *plan.shared_queues):
             self.channel.queue_delete(queue.name)
-        for exchange in plan.exchanges:
+        for exchange in (*plan.exchanges, plan.failed_exchange):
             self.channel.exchange_delete(exchange.name)
 
 
@@ -425,6 +437,7 @@ class Consumer:
         self._connection: pika.BlockingConnection | None = None
         self._channel: BlockingChannel | None = None
         self._tags: list[str] = []
+        self._cancelled_by_broker: str | None = None
 
     def start(self, on_delivery: Callable[[Delivery], None]) -> None:
         """Connect and start consuming; ``BrokerUnavailable`` or ``TopologyNotDeclared``."""
@@ -439,11 +452,15 @@ class Consumer:
                 try:
                     channel.queue_declare(queue, passive=True)
                 except px.ChannelClosedByBroker as exc:
+                    if exc.reply_code != NOT_FOUND:
+                        raise
                     raise TopologyNotDeclared(
                         f"Queue {queue!r} does not exist ({exc.reply_text}). {_NOT_DECLARED_HINT}"
                     ) from exc
             self.generation += 1
             generation = self.generation
+            self._cancelled_by_broker = None
+            channel.add_on_cancel_callback(self._on_broker_cancel)
             for queue in self.queues:
 
                 def callback(
@@ -461,20 +478,42 @@ class Consumer:
                     )
 
                 self._tags.append(channel.basic_consume(queue, callback))
+        except TopologyNotDeclared:
+            _close_quietly(connection)
+            raise
+        except (*_CONNECTION_ERRORS, px.AMQPError) as exc:
+            _close_quietly(connection)
+            raise BrokerUnavailable(f"Could not start consuming: {exc!r}") from exc
         except BaseException:
             _close_quietly(connection)
             raise
         self._connection, self._channel = connection, channel
 
+    def _on_broker_cancel(self, method: Any) -> None:
+        # The broker cancels a consumer when its queue is deleted (or its node
+        # goes away); pika just stops delivering. Treat it as a lost connection
+        # so the worker reconnects and finds out whether the queue is back.
+        self._cancelled_by_broker = str(getattr(method.method, "consumer_tag", "?"))
+
     def poll(self, seconds: float) -> None:
         """Deliver messages and run queued callbacks for up to ``seconds``."""
-        if self._connection is None:
+        if self._connection is None or self._channel is None:
             raise BrokerUnavailable("Not connected.")
         try:
             self._connection.process_data_events(time_limit=seconds)
         except (*_CONNECTION_ERRORS, px.AMQPChannelError) as exc:
             self._drop()
             raise BrokerUnavailable(f"Lost the connection to RabbitMQ: {exc!r}") from exc
+        if self._channel is None or self._channel.is_closed:
+            # e.g. RabbitMQ's consumer_timeout closes the channel, not the connection.
+            self._drop()
+            raise BrokerUnavailable("RabbitMQ closed the consuming channel.")
+        if self._cancelled_by_broker:
+            self._drop()
+            raise BrokerUnavailable(
+                f"RabbitMQ cancelled consumer {self._cancelled_by_broker} (was a ready queue "
+                "deleted?)."
+            )
 
     def cancel(self) -> None:
         """Stop receiving new messages; unacked ones stay with us until acked."""

@@ -9,8 +9,14 @@ order: this is what avoids the head-of-line blocking of per-message TTLs.
 A message carries its digits in the routing key (highest level first, then the
 target queue name, e.g. ``0.0.1.0.1.default``) and visits one queue per non-zero
 digit, highest first. Each level dead-letters into its own topic exchange,
-whose bindings send the message on to the next non-zero digit, or, once none is
-left, to the dispatch exchange that routes it to the ready queue of its target.
+whose bindings send the message on to the next non-zero digit or, once none is
+left, to the ready queue of its target.
+
+``mandatory`` publishing only checks the first hop. A message that finds no
+route at a later hop (a ready queue that was never declared or was deleted)
+would be dropped by RabbitMQ, so every level exchange has the shared
+``<prefix>.failed`` exchange as its alternate exchange: such a job lands in the
+failed queue instead. Ready queues dead-letter there too.
 
 Everything that defines the routing (radix, resolution, level count, queue
 type) is part of the names, so a changed setting declares a new topology beside
@@ -42,6 +48,7 @@ class TopologyError(ValueError):
 class Exchange:
     name: str
     type: str = "topic"
+    arguments: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -75,7 +82,6 @@ class Plan:
     max_delay_ms: int
     queue_type: str
     ingest_exchange: str
-    dispatch_exchange: str
     #: Owned by this topology; removed with it once it is empty.
     exchanges: tuple[Exchange, ...]
     delay_queues: tuple[Queue, ...]
@@ -83,11 +89,17 @@ class Plan:
     #: Shared by every topology of the prefix; never removed by the library.
     ready_queues: dict[str, Queue]
     failed_queue: Queue
+    #: Fanout into the failed queue: the alternate and dead-letter exchange.
+    failed_exchange: Exchange
     registry_queue: Queue
 
     @property
     def shared_queues(self) -> tuple[Queue, ...]:
         return (*self.ready_queues.values(), self.failed_queue, self.registry_queue)
+
+    @property
+    def shared_bindings(self) -> tuple[Binding, ...]:
+        return (Binding(self.failed_exchange.name, self.failed_queue.name, ""),)
 
     def units(self, delay_ms: int) -> int:
         """Whole resolution units for ``delay_ms``, rounded up: never early."""
@@ -123,10 +135,9 @@ class Plan:
             "max_delay_ms": self.max_delay_ms,
             "queue_type": self.queue_type,
             "ingest_exchange": self.ingest_exchange,
-            "dispatch_exchange": self.dispatch_exchange,
-            "exchanges": [asdict(e) for e in self.exchanges],
+            "exchanges": [asdict(e) for e in (*self.exchanges, self.failed_exchange)],
             "queues": [asdict(q) for q in (*self.delay_queues, *self.shared_queues)],
-            "bindings": [asdict(b) for b in self.bindings],
+            "bindings": [asdict(b) for b in (*self.bindings, *self.shared_bindings)],
         }
 
     def record(self) -> str:
@@ -144,6 +155,32 @@ class Plan:
         )
 
 
+def widest_plan(
+    *,
+    prefix: str,
+    radix: int,
+    resolution_ms: int,
+    levels: int,
+    queue_type: str,
+    queues: tuple[str, ...] | list[str],
+) -> Plan:
+    """Every queue a topology of this shape may have, whatever MAX_DELAY it was declared with.
+
+    Raising MAX_DELAY without changing the level count adds top-level queues
+    to a live topology; inspecting or removing an old topology must see them.
+    """
+    capacity_ms = (radix**levels - 1) * resolution_ms
+    return build_plan(
+        prefix=prefix,
+        radix=radix,
+        resolution_ms=resolution_ms,
+        max_delay_ms=min(capacity_ms, MAX_TTL_MS),
+        queue_type=queue_type,
+        queues=queues,
+        levels=levels,
+    )
+
+
 def levels_for(max_units: int, radix: int) -> int:
     """The fewest base-``radix`` digits that can write ``max_units``."""
     levels = 1
@@ -156,6 +193,13 @@ def _queue_arguments(queue_type: str) -> dict[str, Any]:
     if queue_type == "quorum":
         return {"x-queue-type": "quorum"}
     return {}
+
+
+def _ready_queue_arguments(queue_type: str, failed_exchange: str) -> dict[str, Any]:
+    # A ready queue never rejects or expires a job itself, but a quorum queue
+    # drops a message past its delivery limit (RabbitMQ 4 sets one by default):
+    # dead-lettering sends it to the failed queue instead.
+    return {**_queue_arguments(queue_type), "x-dead-letter-exchange": failed_exchange}
 
 
 def _delay_queue_arguments(
@@ -223,7 +267,7 @@ def build_plan(
     topology_id = f"r{radix}.{resolution_ms}ms.L{levels}.{queue_type}"
     base = f"{prefix}.delay.{topology_id}"
     ingest = f"{base}.ingest"
-    dispatch = f"{base}.dispatch"
+    failed = f"{prefix}.failed"
 
     def level_exchange(level: int) -> str:
         return f"{base}.after.L{level:02d}"
@@ -236,12 +280,12 @@ def build_plan(
     # largest digit a queue would only hold TTLs no job may ask for (and could
     # exceed RabbitMQ's 10-year TTL limit).
     top_digit = min(radix - 1, max_units // radix ** (levels - 1))
-    exchanges = [Exchange(ingest), Exchange(dispatch)]
+    exchanges = [Exchange(ingest)]
     delay_queues: list[Queue] = []
     positions: list[tuple[int, int, str]] = []
     bindings: list[Binding] = []
     for level in range(levels - 1, -1, -1):
-        exchanges.append(Exchange(level_exchange(level)))
+        exchanges.append(Exchange(level_exchange(level), arguments={"alternate-exchange": failed}))
         last_digit = top_digit if level == levels - 1 else radix - 1
         for digit in range(1, last_digit + 1):
             ttl_ms = digit * radix**level * resolution_ms
@@ -275,18 +319,16 @@ def build_plan(
                 + ["*"] * level
             )
             bindings.append(Binding(level_exchange(above), queue_name, pattern(words)))
-    # No digit left: on to the dispatch exchange.
-    bindings.append(Binding(ingest, dispatch, pattern(["0"] * levels), "exchange"))
-    for above in range(levels):
-        words = ["*"] * (levels - above) + ["0"] * above
-        bindings.append(Binding(level_exchange(above), dispatch, pattern(words), "exchange"))
-
+    # No digit left: to the ready queue named by the last word.
     ready_queues = {
-        name: Queue(name=f"{prefix}.ready.{name}", arguments=_queue_arguments(queue_type))
+        name: Queue(f"{prefix}.ready.{name}", _ready_queue_arguments(queue_type, failed))
         for name in queues
     }
     for name, queue in ready_queues.items():
-        bindings.append(Binding(dispatch, queue.name, ".".join(["*"] * levels + [name])))
+        bindings.append(Binding(ingest, queue.name, ".".join(["0"] * levels + [name])))
+        for above in range(levels):
+            words = ["*"] * (levels - above) + ["0"] * above + [name]
+            bindings.append(Binding(level_exchange(above), queue.name, ".".join(words)))
 
     return Plan(
         prefix=prefix,
@@ -297,11 +339,11 @@ def build_plan(
         max_delay_ms=max_delay_ms,
         queue_type=queue_type,
         ingest_exchange=ingest,
-        dispatch_exchange=dispatch,
         exchanges=tuple(exchanges),
         delay_queues=tuple(delay_queues),
         bindings=tuple(bindings),
         ready_queues=ready_queues,
-        failed_queue=Queue(f"{prefix}.failed", _queue_arguments(queue_type)),
+        failed_queue=Queue(failed, _queue_arguments(queue_type)),
+        failed_exchange=Exchange(failed, "fanout"),
         registry_queue=Queue(f"{prefix}.topologies", _queue_arguments(queue_type)),
     )

@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
-from datetime import datetime
+from datetime import datetime, timedelta
 from types import FrameType
 from typing import Any
 
@@ -182,6 +182,11 @@ class Worker:
         """In a pool thread: process one message, then ask the I/O thread to settle it."""
         ack = False
         try:
+            if delivery.generation != self.consumer.generation:
+                # Its connection is gone, so RabbitMQ has already redelivered
+                # it: running it here too would only make a duplicate.
+                logger.info("Skipping a job delivered on a lost connection; it was redelivered.")
+                return
             self.process(delivery)
             ack = True
         except BrokerError as exc:
@@ -195,8 +200,12 @@ class Worker:
             self._stopping.wait(REQUEUE_PAUSE_S)
         except BaseException:
             logger.exception(
-                "Unexpected error handling a message from %s; requeueing it.", delivery.queue
+                "Unexpected error handling a message from %s; handing it back to RabbitMQ "
+                "in %.0f s.",
+                delivery.queue,
+                REQUEUE_PAUSE_S,
             )
+            self._stopping.wait(REQUEUE_PAUSE_S)
         finally:
             if not self.consumer.settle_threadsafe(delivery, ack=ack, requeue=True):
                 logger.warning(
@@ -261,8 +270,11 @@ class Worker:
     def _reschedule_early(self, job: Job, now: datetime) -> str:
         """A job that arrived before its due time (e.g. the clocks of two hosts differ)
         goes back to wait for the rest: never early."""
+        # At most MAX_DELAY at a time: a job due further out (deferred under a
+        # larger MAX_DELAY) simply comes back and waits again.
+        remaining = min(job.due, now + timedelta(milliseconds=self.settings.max_delay_ms))
         wait_ms = delay_ms(
-            job.due,
+            remaining,
             now=now,
             resolution_ms=self.settings.resolution_ms,
             max_delay_ms=self.settings.max_delay_ms,

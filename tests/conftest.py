@@ -22,7 +22,7 @@ from django.core.management import call_command
 
 from deferred.broker import BrokerUnavailable, admin_channel, connect
 from deferred.conf import get_settings
-from deferred.topology import Plan, build_plan, plan_topology
+from deferred.topology import Plan, plan_topology, widest_plan
 from deferred.worker import Worker
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -52,14 +52,13 @@ def _every_plan(admin, plan: Plan) -> list[Plan]:
     plans = [plan]
     for record in admin.topology_records(plan):
         plans.append(
-            build_plan(
+            widest_plan(
                 prefix=plan.prefix,
                 radix=record["radix"],
                 resolution_ms=record["resolution_ms"],
-                max_delay_ms=record["max_delay_ms"],
+                levels=record["levels"],
                 queue_type=record["queue_type"],
                 queues=tuple(plan.ready_queues),
-                levels=record["levels"],
             )
         )
     return plans

@@ -70,7 +70,8 @@ def test_dry_run_prints_the_plan_and_touches_nothing(broker_url):
             if "x-message-ttl" in q["arguments"]
         )
         assert ttls[:4] == [1, 2, 3, 4]
-        assert {b["destination_type"] for b in plan["bindings"]} == {"queue", "exchange"}
+        assert {b["destination_type"] for b in plan["bindings"]} == {"queue"}
+        assert any(e["arguments"].get("alternate-exchange") for e in plan["exchanges"])
         with admin_channel(broker_url) as admin:
             assert not admin.exchange_exists(current_plan().ingest_exchange)
             assert not admin.queue_exists(current_plan().ready_queues["default"].name)

@@ -229,3 +229,35 @@ def test_defer_reopens_a_connection_the_broker_dropped(clean, broker_url):
         assert wait_for(lambda: depth(channel, clean.ready_queues["default"].name) == 2, 5)
     finally:
         connection.close()
+
+
+def test_a_job_for_an_undeclared_queue_is_kept_in_the_failed_queue(clean, broker_url, raw_channel):
+    # "billing" was added to QUEUES but declare_delay_topology was not run again.
+    # mandatory catches the first hop; after a delay, the level exchanges'
+    # alternate exchange keeps the job in the failed queue instead of dropping it.
+    queues = ["default", "other", "billing"]
+    with override_settings(
+        DEFERRED={"BROKER_URL": broker_url, "PREFIX": clean.prefix, "QUEUES": queues}
+    ):
+        with pytest.raises(TopologyNotDeclared):
+            record.using(queue="billing").defer(0, "p", "now")
+        job_id = record.using(queue="billing").defer(0.05, "p", "later")
+    assert wait_for(lambda: depth(raw_channel, clean.failed_queue.name) == 1, 5)
+    _method, _props, body = raw_channel.basic_get(clean.failed_queue.name, auto_ack=True)
+    assert Job.decode(body).id == job_id
+
+
+def test_defer_fails_instead_of_hanging_while_the_broker_blocks_publishers(clean, broker_url):
+    # A memory alarm makes RabbitMQ block publishing connections.
+    url = broker_url + ("&" if "?" in broker_url else "?") + "blocked_connection_timeout=1"
+    rabbitmqctl("set_vm_memory_high_watermark", "0.0000001")
+    try:
+        with override_settings(
+            DEFERRED={"BROKER_URL": url, "PREFIX": clean.prefix, "QUEUES": ["default", "other"]}
+        ):
+            started = time.monotonic()
+            with pytest.raises(BrokerUnavailable):
+                defer(record, 0, "p", "blocked")
+            assert time.monotonic() - started < 10
+    finally:
+        rabbitmqctl("set_vm_memory_high_watermark", "0.4")

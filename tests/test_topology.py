@@ -16,6 +16,7 @@ from deferred.topology import (
     TopologyError,
     build_plan,
     levels_for,
+    widest_plan,
 )
 
 YEAR_MS = 365 * 24 * 3600 * 1000
@@ -112,15 +113,31 @@ def test_binding_patterns(radix):
     assert ("ingest", "L00.d01", "0.0.1.*") in patterns
     # After level 2, on to level 0 when level 1 is zero.
     assert ("L02", "L00.d01", "*.0.1.*") in patterns
-    # No digit left: to the dispatch exchange, then to the ready queue.
-    assert any(
-        b.source.endswith("ingest")
-        and b.destination_type == "exchange"
-        and b.routing_key == "0.0.0.*"
+    # No digit left: straight to the ready queue named by the last word.
+    ready = {
+        (b.source.rsplit(".", 1)[-1], b.routing_key)
         for b in plan.bindings
-    )
-    ready = [b for b in plan.bindings if b.destination == "p.ready.default"]
-    assert [b.routing_key for b in ready] == ["*.*.*.default"]
+        if b.destination == "p.ready.default"
+    }
+    assert ready == {
+        ("ingest", "0.0.0.default"),
+        ("L02", "*.0.0.default"),
+        ("L01", "*.*.0.default"),
+        ("L00", "*.*.*.default"),
+    }
+
+
+def test_jobs_that_find_no_route_after_the_first_hop_go_to_the_failed_queue():
+    # mandatory only covers the first hop: later hops need an alternate exchange.
+    plan = make(radix=4)
+    assert plan.failed_exchange.name == "p.failed" and plan.failed_exchange.type == "fanout"
+    assert plan.shared_bindings[0].destination == plan.failed_queue.name
+    levels = [e for e in plan.exchanges if ".after." in e.name]
+    assert len(levels) == plan.levels
+    assert all(e.arguments == {"alternate-exchange": "p.failed"} for e in levels)
+    ingest = next(e for e in plan.exchanges if e.name == plan.ingest_exchange)
+    assert ingest.arguments == {}  # mandatory reports the first hop to the publisher
+    assert plan.ready_queues["default"].arguments["x-dead-letter-exchange"] == "p.failed"
 
 
 @pytest.mark.parametrize("radix", [2, 4, 10, 16])
@@ -186,7 +203,7 @@ def test_quorum_queues_dead_letter_at_least_once():
         assert q.arguments["x-queue-type"] == "quorum"
         assert q.arguments["x-dead-letter-strategy"] == "at-least-once"
         assert q.arguments["x-overflow"] == "reject-publish"
-    assert plan.ready_queues["default"].arguments == {"x-queue-type": "quorum"}
+    assert plan.ready_queues["default"].arguments["x-queue-type"] == "quorum"
 
 
 def test_names_carry_what_defines_the_topology():
@@ -203,3 +220,22 @@ def test_levels_for():
     assert levels_for(2, 2) == 2
     assert levels_for(15, 16) == 1
     assert levels_for(16, 16) == 2
+
+
+def test_widest_plan_sees_queues_added_by_a_larger_max_delay():
+    # MAX_DELAY raised from 2 to 3 top-level units without a new level count:
+    # inspecting or removing the old topology must look at the added queue too.
+    narrow = make(radix=16, max_delay_ms=2 * 16**3)
+    wide = make(radix=16, max_delay_ms=3 * 16**3)
+    assert narrow.topology_id == wide.topology_id
+    widest = widest_plan(
+        prefix="p",
+        radix=16,
+        resolution_ms=1,
+        levels=narrow.levels,
+        queue_type="classic",
+        queues=("default",),
+    )
+    names = {q.name for q in widest.delay_queues}
+    assert {q.name for q in wide.delay_queues} <= names
+    assert len(names) == narrow.levels * 15

@@ -184,3 +184,35 @@ def test_prefetch_caps_unacked_jobs_at_the_concurrency_across_queues(clean, run_
         if line.split() and line.split()[0] in ready
     )
     assert unacked == 1
+
+
+def test_pending_jobs_survive_a_broker_restart(clean, run_worker, records):
+    # stop_app/start_app: the broker goes away with jobs waiting in delay queues.
+    worker = run_worker()
+    generation = worker.consumer.generation
+    start = time.time()
+    for n in range(5):
+        defer(record, 1.5 + n * 0.1, records, str(n))
+    rabbitmqctl("stop_app")
+    rabbitmqctl("start_app")
+    rabbitmqctl("await_startup")
+    assert wait_for(lambda: len(read_records(records)) == 5, 90), read_records(records)
+    at = {r["label"]: r["at"] for r in read_records(records)}
+    assert all(at[str(n)] >= start + 1.5 + n * 0.1 for n in range(5)), "ran early"
+    assert worker.consumer.generation > generation
+
+
+def test_worker_recovers_when_its_ready_queue_is_deleted_and_declared_again(
+    clean, raw_channel, run_worker, records
+):
+    from django.core.management import call_command
+
+    worker = run_worker()
+    generation = worker.consumer.generation
+    raw_channel.queue_delete(clean.ready_queues["default"].name)
+    assert wait_for(lambda: not worker.consuming.is_set(), 10), "the cancel went unnoticed"
+    call_command("declare_delay_topology", verbosity=0)
+    assert wait_for(lambda: worker.consuming.is_set(), 30)
+    assert worker.consumer.generation > generation
+    defer(record, 0.05, records, "after")
+    assert wait_for(lambda: len(read_records(records)) == 1, 10)

@@ -10,7 +10,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from deferred.broker import BrokerError, admin_channel
 from deferred.conf import get_settings
-from deferred.topology import Plan, build_plan, plan_topology
+from deferred.topology import Plan, plan_topology, widest_plan
 
 
 class Command(BaseCommand):
@@ -92,15 +92,14 @@ class Command(BaseCommand):
 
 
 def _rebuild(current: Plan, record: dict[str, Any], queues: tuple[str, ...]) -> Plan:
-    """The plan of a topology from its registry record."""
-    return build_plan(
+    """The plan of a topology from its registry record, with every queue it may have."""
+    return widest_plan(
         prefix=current.prefix,
         radix=int(record["radix"]),
         resolution_ms=int(record["resolution_ms"]),
-        max_delay_ms=int(record["max_delay_ms"]),
+        levels=int(record["levels"]),
         queue_type=str(record["queue_type"]),
         queues=queues,
-        levels=int(record["levels"]),
     )
 
 
@@ -108,16 +107,16 @@ def _plan_text(plan: Plan) -> str:
     lines = [
         f"Topology {plan.topology_id}: radix {plan.radix}, resolution {plan.resolution_ms} ms, "
         f"{plan.levels} levels, max delay {plan.max_delay_ms} ms, {plan.queue_type} queues.",
-        f"Exchanges ({len(plan.exchanges)}, topic, durable):",
-        *(f"  {e.name}" for e in plan.exchanges),
+        f"Exchanges ({len(plan.exchanges) + 1}, durable):",
+        *(f"  {e.name}  {e.type}  {e.arguments}" for e in (*plan.exchanges, plan.failed_exchange)),
         f"Delay queues ({len(plan.delay_queues)}, durable):",
         *(f"  {q.name}  ttl={q.ttl_ms} ms  {q.arguments}" for q in plan.delay_queues),
         "Shared queues (durable):",
         *(f"  {q.name}  {q.arguments}" for q in plan.shared_queues),
-        f"Bindings ({len(plan.bindings)}):",
+        f"Bindings ({len(plan.bindings) + len(plan.shared_bindings)}):",
         *(
             f"  {b.source} -> {b.destination} ({b.destination_type})  {b.routing_key}"
-            for b in plan.bindings
+            for b in (*plan.bindings, *plan.shared_bindings)
         ),
     ]
     return "\n".join(lines)
