@@ -325,17 +325,16 @@ class Admin:
             )
         return report
 
-    def topology_records(self, plan: Plan) -> list[dict[str, Any]]:
-        """The topologies declared under ``plan``'s prefix, as recorded in its registry.
+    @contextmanager
+    def _registry(self, plan: Plan) -> Iterator[tuple[BlockingChannel, list[tuple[int, Any]]]]:
+        """Every registry message, taken unacked: ``(delivery tag, record or None)``.
 
         AMQP cannot list queues, so each declared topology leaves a small
-        persistent message in a registry queue. Reading them takes them
-        unacked and closing the channel puts them back.
+        persistent message in a registry queue. Closing the channel puts back
+        whatever was not acked.
         """
-        if not self.queue_exists(plan.registry_queue.name):
-            return []
         channel = self.connection.channel()
-        records: dict[str, dict[str, Any]] = {}
+        entries: list[tuple[int, Any]] = []
         try:
             while True:
                 method, _props, body = channel.basic_get(plan.registry_queue.name)
@@ -343,29 +342,32 @@ class Admin:
                     break
                 try:
                     record = json.loads(body)
-                    records.setdefault(record["topology"], record)
+                    record["topology"]
                 except (ValueError, KeyError, TypeError):
                     logger.warning("Ignoring an unreadable topology record: %r", body[:200])
+                    record = None
+                entries.append((method.delivery_tag, record))
+            yield channel, entries
         finally:
             channel.close()
+
+    def topology_records(self, plan: Plan) -> list[dict[str, Any]]:
+        """The topologies declared under ``plan``'s prefix, as recorded in its registry."""
+        if not self.queue_exists(plan.registry_queue.name):
+            return []
+        records: dict[str, dict[str, Any]] = {}
+        with self._registry(plan) as (_channel, entries):
+            for _tag, record in entries:
+                if record is not None:
+                    records.setdefault(record["topology"], record)
         return list(records.values())
 
     def forget_topology(self, plan: Plan, topology_id: str) -> None:
         """Remove ``topology_id``'s record(s) from the registry."""
-        channel = self.connection.channel()
-        try:
-            while True:
-                method, _props, body = channel.basic_get(plan.registry_queue.name)
-                if method is None:
-                    break
-                try:
-                    mine = json.loads(body).get("topology") == topology_id
-                except (ValueError, AttributeError):
-                    mine = False
-                if mine:
-                    channel.basic_ack(method.delivery_tag)
-        finally:
-            channel.close()  # the others go back to the registry
+        with self._registry(plan) as (channel, entries):
+            for tag, record in entries:
+                if record is not None and record["topology"] == topology_id:
+                    channel.basic_ack(tag)
 
     def pending(self, plan: Plan) -> int | None:
         """Messages waiting in ``plan``'s delay queues; ``None`` if none of them exists."""
