@@ -21,6 +21,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.core.signals import setting_changed
 from django.dispatch import receiver
 
+from deferred.retries import Backoff, parse_backoff, validate_max_retries
 from deferred.topology import MAX_TTL_MS, TopologyError, plan_topology
 
 DEFAULTS: dict[str, Any] = {
@@ -33,6 +34,14 @@ DEFAULTS: dict[str, Any] = {
     "RESOLUTION": timedelta(milliseconds=1),
     "QUEUE_TYPE": "classic",
     "QUEUES": ["default"],
+    # Retries are opt-in: a task that raises goes to the failed queue unless
+    # it (or this default) allows retries.
+    "MAX_RETRIES": 0,
+    "RETRY_BACKOFF": {"base": 10.0, "factor": 2.0, "cap": 3600.0, "jitter": 0.1},
+    # defer() inside transaction.atomic() publishes after the commit.
+    "ON_COMMIT": True,
+    # Deliveries of one job before it counts as a poison job that kills workers.
+    "DELIVERY_LIMIT": 5,
 }
 
 QUEUE_TYPES = ("classic", "quorum")
@@ -66,6 +75,10 @@ class DeferredSettings:
     resolution_ms: int
     queue_type: str
     queues: tuple[str, ...]
+    max_retries: int
+    retry_backoff: Backoff
+    on_commit: bool
+    delivery_limit: int
 
     @property
     def default_queue(self) -> str:
@@ -158,6 +171,29 @@ def _build(raw: Any) -> DeferredSettings:
     if len(set(queues)) != len(queues):
         raise ImproperlyConfigured(f"DEFERRED['QUEUES'] has duplicates: {queues!r}.")
 
+    try:
+        max_retries = validate_max_retries(values["MAX_RETRIES"])
+    except ValueError as exc:
+        raise ImproperlyConfigured(f"DEFERRED['MAX_RETRIES']: {exc}") from exc
+    try:
+        retry_backoff = parse_backoff(values["RETRY_BACKOFF"])
+    except (TypeError, ValueError) as exc:
+        raise ImproperlyConfigured(f"DEFERRED['RETRY_BACKOFF']: {exc}") from exc
+    on_commit = values["ON_COMMIT"]
+    if not isinstance(on_commit, bool):
+        raise ImproperlyConfigured(
+            f"DEFERRED['ON_COMMIT'] must be True or False, got {on_commit!r}."
+        )
+    delivery_limit = values["DELIVERY_LIMIT"]
+    if (
+        isinstance(delivery_limit, bool)
+        or not isinstance(delivery_limit, int)
+        or delivery_limit < 1
+    ):
+        raise ImproperlyConfigured(
+            f"DEFERRED['DELIVERY_LIMIT'] must be a positive integer, got {delivery_limit!r}."
+        )
+
     result = DeferredSettings(
         broker_url=broker_url,
         prefix=prefix,
@@ -166,6 +202,10 @@ def _build(raw: Any) -> DeferredSettings:
         resolution_ms=resolution_ms,
         queue_type=queue_type,
         queues=tuple(queues),
+        max_retries=max_retries,
+        retry_backoff=retry_backoff,
+        on_commit=on_commit,
+        delivery_limit=delivery_limit,
     )
     # The plan enforces the limits that depend on several values at once
     # (routing-key length); building it here makes them configuration errors.

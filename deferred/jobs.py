@@ -17,7 +17,15 @@ FORMAT_VERSION = 1
 
 
 class BrokenMessage(ValueError):
-    """A message body that is not a job this version can run."""
+    """A message body that is not a job this version can run.
+
+    ``reason`` is ``"undecodable"`` (not a JSON object at all) or ``"invalid"``
+    (JSON, but not a job of a format this version knows).
+    """
+
+    def __init__(self, message: str, reason: str = "invalid") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 def new_job_id() -> str:
@@ -73,9 +81,9 @@ class Job:
         try:
             data = json.loads(body)
         except (UnicodeDecodeError, ValueError) as exc:
-            raise BrokenMessage(f"the body is not JSON: {exc}") from exc
+            raise BrokenMessage(f"the body is not JSON: {exc}", "undecodable") from exc
         if not isinstance(data, dict):
-            raise BrokenMessage("the body is not a JSON object")
+            raise BrokenMessage("the body is not a JSON object", "undecodable")
         version = data.get("version")
         if version != FORMAT_VERSION:
             raise BrokenMessage(f"unsupported format version {version!r}")

@@ -1,13 +1,20 @@
 """``defer()``: validate everything, then publish one job into the delay topology.
 
 Every check happens before the broker is touched, so a call that raises has
-published nothing.
+published nothing. Inside ``transaction.atomic()`` the publish waits for the
+commit (by default), so a rolled-back view never leaves a job behind that
+points at rows that do not exist.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from datetime import datetime, timedelta
+from functools import partial
 from typing import Any
+
+from django.db import DEFAULT_DB_ALIAS, connections, transaction
 
 from deferred import broker
 from deferred.conf import DeferredSettings, get_settings
@@ -15,6 +22,12 @@ from deferred.delays import delay_ms
 from deferred.jobs import Job, new_job_id, utcnow
 from deferred.tasks import Task, get_task
 from deferred.topology import plan_topology
+
+logger = logging.getLogger("deferred.publishing")
+
+#: Set by ``deferred.testing`` (eager and capture modes): receives each job
+#: instead of the broker.
+interceptor: Callable[[Job, int], None] | None = None
 
 
 def defer(
@@ -55,8 +68,53 @@ def defer(
         queue=queue,
         created=now,
     )
-    publish(job, wait_ms, settings=settings)
+    body = job.encode()  # TypeError now, in the caller, if the arguments are not JSON
+    if interceptor is not None:
+        interceptor(job, wait_ms)
+        return job.id
+    on_commit = resolved.options.on_commit
+    alias = _atomic_alias() if (settings.on_commit if on_commit is None else on_commit) else None
+    if alias is None:
+        publish(job, wait_ms, settings=settings, body=body)
+    else:
+        transaction.on_commit(partial(_publish_after_commit, job, settings), using=alias)
     return job.id
+
+
+def _atomic_alias() -> str | None:
+    """The database alias whose transaction is open here, if any (``default`` first)."""
+    if transaction.get_connection(DEFAULT_DB_ALIAS).in_atomic_block:
+        return DEFAULT_DB_ALIAS
+    for connection in connections.all(initialized_only=True):
+        if connection.in_atomic_block:
+            return str(connection.alias)
+    return None
+
+
+def _publish_after_commit(job: Job, settings: DeferredSettings) -> None:
+    """Publish once the transaction committed, waiting only for what is left of the delay.
+
+    The commit has happened, so raising would only turn the caller's
+    successful request into an error: the failure is logged loudly instead,
+    with the whole job, so that it can be deferred again by hand.
+    """
+    try:
+        wait_ms = delay_ms(
+            job.due,
+            now=utcnow(),
+            resolution_ms=settings.resolution_ms,
+            max_delay_ms=settings.max_delay_ms,
+        )
+        publish(job, wait_ms, settings=settings)
+    except Exception:
+        logger.critical(
+            "Job %s of task %s was NOT published after its transaction committed; "
+            "it will not run unless deferred again. Job: %s",
+            job.id,
+            job.task,
+            job.encode().decode(),
+            exc_info=True,
+        )
 
 
 def _resolve(task: object) -> Task[..., Any]:
@@ -74,10 +132,12 @@ def _resolve(task: object) -> Task[..., Any]:
     )
 
 
-def publish(job: Job, wait_ms: int, *, settings: DeferredSettings | None = None) -> None:
+def publish(
+    job: Job, wait_ms: int, *, settings: DeferredSettings | None = None, body: bytes | None = None
+) -> None:
     """Publish ``job`` to wait ``wait_ms`` (already validated) in the current topology."""
     settings = settings or get_settings()
-    body = job.encode()
+    body = job.encode() if body is None else body
     plan = plan_topology(settings)
     broker.publisher(settings.broker_url).publish(
         plan.ingest_exchange,

@@ -11,7 +11,18 @@ import dataclasses
 import inspect
 from collections.abc import Callable
 from datetime import datetime, timedelta
-from typing import Any, Generic, ParamSpec, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar, overload
+
+from deferred.retries import (
+    Backoff,
+    RetryPolicy,
+    parse_backoff,
+    validate_exception_types,
+    validate_max_retries,
+)
+
+if TYPE_CHECKING:
+    from deferred.conf import DeferredSettings
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -37,6 +48,8 @@ class Options:
     """
 
     queue: str | None = None
+    #: Publish after the surrounding transaction commits (``None``: DEFERRED['ON_COMMIT']).
+    on_commit: bool | None = None
 
 
 class Task(Generic[P, R]):
@@ -49,12 +62,21 @@ class Task(Generic[P, R]):
         name: str,
         queue: str | None = None,
         options: Options | None = None,
+        max_retries: int | None = None,
+        retry_backoff: Backoff | None = None,
+        retry_for: tuple[type[BaseException], ...] = (Exception,),
+        dont_retry_for: tuple[type[BaseException], ...] = (),
     ) -> None:
         self.func = func
         self.name = name
         #: The queue chosen with ``@task(queue=...)``; ``None``: the first of DEFERRED['QUEUES'].
         self.queue = queue
         self.options = options or Options()
+        #: ``None``: DEFERRED['MAX_RETRIES'] / DEFERRED['RETRY_BACKOFF'].
+        self.max_retries = max_retries
+        self.retry_backoff = retry_backoff
+        self.retry_for = retry_for
+        self.dont_retry_for = dont_retry_for
         self.__wrapped__ = func
         self.__doc__ = func.__doc__
         self.__name__ = getattr(func, "__name__", name)
@@ -67,14 +89,32 @@ class Task(Generic[P, R]):
     def __repr__(self) -> str:
         return f"<Task {self.name}>"
 
-    def using(self, *, queue: str | None = None) -> Task[P, R]:
+    def using(self, *, queue: str | None = None, on_commit: bool | None = None) -> Task[P, R]:
         """A copy of this task with per-call options, e.g. ``t.using(queue="bulk").defer(5)``.
 
-        Options never travel in ``**kwargs``, so a task may have an argument
-        called ``queue`` of its own.
+        ``on_commit=False`` publishes at once even inside ``transaction.atomic()``.
+        Options never travel in ``**kwargs``, so a task may have arguments
+        called ``queue`` or ``on_commit`` of its own.
         """
-        options = dataclasses.replace(self.options, queue=queue)
-        return Task(self.func, name=self.name, queue=self.queue, options=options)
+        changes: dict[str, Any] = {}
+        if queue is not None:
+            changes["queue"] = queue
+        if on_commit is not None:
+            changes["on_commit"] = on_commit
+        copy = dataclasses.replace(self.options, **changes)
+        clone: Task[P, R] = Task.__new__(Task)
+        clone.__dict__.update(self.__dict__)
+        clone.options = copy
+        return clone
+
+    def retry_policy(self, settings: DeferredSettings) -> RetryPolicy:
+        """The task's own retry options over the DEFERRED defaults."""
+        return RetryPolicy(
+            max_retries=settings.max_retries if self.max_retries is None else self.max_retries,
+            backoff=settings.retry_backoff if self.retry_backoff is None else self.retry_backoff,
+            retry_for=self.retry_for,
+            dont_retry_for=self.dont_retry_for,
+        )
 
     def defer(
         self, delay: int | float | timedelta | datetime, /, *args: P.args, **kwargs: P.kwargs
@@ -111,7 +151,13 @@ def task(func: Callable[P, R], /) -> Task[P, R]: ...
 
 @overload
 def task(
-    *, name: str | None = None, queue: str | None = None
+    *,
+    name: str | None = None,
+    queue: str | None = None,
+    max_retries: int | None = None,
+    retry_backoff: Any = None,
+    retry_for: Any = (Exception,),
+    dont_retry_for: Any = (),
 ) -> Callable[[Callable[P, R]], Task[P, R]]: ...
 
 
@@ -121,12 +167,25 @@ def task(
     *,
     name: str | None = None,
     queue: str | None = None,
+    max_retries: int | None = None,
+    retry_backoff: Any = None,
+    retry_for: Any = (Exception,),
+    dont_retry_for: Any = (),
 ) -> Task[P, R] | Callable[[Callable[P, R]], Task[P, R]]:
-    """Register a function as a task: ``@task`` or ``@task(name=..., queue=...)``.
+    """Register a function as a task: ``@task`` or ``@task(name=..., queue=..., ...)``.
 
     The name defaults to ``module.qualname``; it is what messages carry, so
     give long-lived tasks an explicit name that survives refactoring.
+
+    Retries: ``max_retries`` (default DEFERRED['MAX_RETRIES']) more attempts
+    after the first, waiting ``retry_backoff`` between them (a list of seconds
+    whose last value repeats, or ``Exponential(base, factor, cap, jitter)``);
+    only for exceptions in ``retry_for`` and not in ``dont_retry_for``.
     """
+    policy_max = None if max_retries is None else validate_max_retries(max_retries)
+    policy_backoff = None if retry_backoff is None else parse_backoff(retry_backoff)
+    policy_for = validate_exception_types("retry_for", retry_for)
+    policy_not_for = validate_exception_types("dont_retry_for", dont_retry_for)
 
     def decorate(f: Callable[P, R]) -> Task[P, R]:
         if isinstance(f, Task):
@@ -146,7 +205,15 @@ def task(
                 f"A task named {task_name!r} is already registered ({existing.func!r}); "
                 "give one of them another name with @task(name=...)."
             )
-        registered = Task(f, name=task_name, queue=queue)
+        registered = Task(
+            f,
+            name=task_name,
+            queue=queue,
+            max_retries=policy_max,
+            retry_backoff=policy_backoff,
+            retry_for=policy_for,
+            dont_retry_for=policy_not_for,
+        )
         _registry[task_name] = registered
         return registered
 

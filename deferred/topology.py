@@ -195,11 +195,18 @@ def _queue_arguments(queue_type: str) -> dict[str, Any]:
     return {}
 
 
-def _ready_queue_arguments(queue_type: str, failed_exchange: str) -> dict[str, Any]:
-    # A ready queue never rejects or expires a job itself, but a quorum queue
-    # drops a message past its delivery limit (RabbitMQ 4 sets one by default):
-    # dead-lettering sends it to the failed queue instead.
-    return {**_queue_arguments(queue_type), "x-dead-letter-exchange": failed_exchange}
+def _ready_queue_arguments(
+    queue_type: str, failed_exchange: str, delivery_limit: int
+) -> dict[str, Any]:
+    # A job that kills the worker every time is redelivered every time: a
+    # quorum queue counts deliveries and, past the limit, dead-letters the job
+    # to the failed queue instead of looping forever (classic queues cannot
+    # count; the worker does it for them). Nothing else makes a ready queue
+    # dead-letter.
+    args = {**_queue_arguments(queue_type), "x-dead-letter-exchange": failed_exchange}
+    if queue_type == "quorum":
+        args["x-delivery-limit"] = delivery_limit
+    return args
 
 
 def _delay_queue_arguments(
@@ -229,6 +236,7 @@ def plan_topology(settings: DeferredSettings) -> Plan:
         max_delay_ms=settings.max_delay_ms,
         queue_type=settings.queue_type,
         queues=settings.queues,
+        delivery_limit=settings.delivery_limit,
     )
 
 
@@ -241,6 +249,7 @@ def build_plan(
     queue_type: str,
     queues: tuple[str, ...] | list[str],
     levels: int | None = None,
+    delivery_limit: int = 5,
 ) -> Plan:
     """Compute a topology from its defining values.
 
@@ -321,7 +330,9 @@ def build_plan(
             bindings.append(Binding(level_exchange(above), queue_name, pattern(words)))
     # No digit left: to the ready queue named by the last word.
     ready_queues = {
-        name: Queue(f"{prefix}.ready.{name}", _ready_queue_arguments(queue_type, failed))
+        name: Queue(
+            f"{prefix}.ready.{name}", _ready_queue_arguments(queue_type, failed, delivery_limit)
+        )
         for name in queues
     }
     for name, queue in ready_queues.items():

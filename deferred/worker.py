@@ -26,11 +26,20 @@ from typing import Any
 from django.db import close_old_connections
 
 from deferred import failures
-from deferred.broker import BrokerError, BrokerUnavailable, Consumer, Delivery, TopologyNotDeclared
+from deferred.broker import (
+    BrokerError,
+    BrokerUnavailable,
+    Consumer,
+    Delivery,
+    TopologyNotDeclared,
+    publisher,
+)
 from deferred.conf import DeferredSettings, get_settings
+from deferred.context import running
 from deferred.delays import delay_ms
 from deferred.jobs import BrokenMessage, Job, utcnow
 from deferred.publishing import publish
+from deferred.retries import Decision
 from deferred.tasks import UnknownTask, get_task
 from deferred.topology import plan_topology
 
@@ -41,6 +50,8 @@ RECONNECT_FIRST_S = 0.5
 RECONNECT_CAP_S = 30.0
 #: How long to wait before handing back a job whose failure could not be stored.
 REQUEUE_PAUSE_S = 2.0
+#: On classic ready queues: how many deliveries of this job ended without an ack.
+DELIVERIES_HEADER = "x-deferred-deliveries"
 
 
 class Worker:
@@ -66,6 +77,8 @@ class Worker:
         if concurrency < 1:
             raise ValueError(f"concurrency must be at least 1, got {concurrency}.")
         self.queues = names
+        #: Quorum queues count deliveries themselves (x-delivery-limit).
+        self.count_redeliveries = self.settings.queue_type == "classic"
         self.concurrency = concurrency
         self.install_signal_handlers = install_signal_handlers
         self.poll_interval = poll_interval
@@ -218,20 +231,29 @@ class Worker:
     def process(self, delivery: Delivery) -> str:
         """Run or dispose of one message; return its outcome.
 
-        Raises ``BrokerError`` only when the outcome could not be made durable
-        (the message must then not be acked).
+        Raises ``BrokerError`` only when the outcome (a retry, a failure
+        record) could not be made durable: the message must then not be acked.
         """
         try:
             job = Job.decode(delivery.body)
         except BrokenMessage as exc:
             record = failures.failure_record(
-                reason=failures.UNDECODABLE, job=None, body=delivery.body, detail=str(exc)
+                reason=exc.reason, job=None, body=delivery.body, detail=str(exc)
             )
-            failures.store_failure(self.settings, record, message_id="")
+            failures.store_failure(self.settings, record)
             logger.error(
-                "job=? queue=%s outcome=failed reason=undecodable detail=%s", delivery.queue, exc
+                "job=%s queue=%s outcome=failed reason=%s detail=%s",
+                record["id"],
+                delivery.queue,
+                exc.reason,
+                exc,
             )
             return "failed"
+
+        if delivery.redelivered and self.count_redeliveries:
+            outcome = self._count_redelivery(delivery, job)
+            if outcome:
+                return outcome
 
         started = utcnow()
         lateness_ms = (started - job.due).total_seconds() * 1000
@@ -240,10 +262,7 @@ class Worker:
         try:
             task = get_task(job.task)
         except UnknownTask as exc:
-            record = failures.failure_record(
-                reason=failures.UNKNOWN_TASK, job=job, body=delivery.body, error=exc
-            )
-            failures.store_failure(self.settings, record, message_id=job.id)
+            self._fail(job, delivery, failures.UNKNOWN_TASK, exc)
             self._log(job, lateness_ms, "failed", 0.0, "reason=unknown_task")
             return "failed"
 
@@ -251,8 +270,9 @@ class Worker:
         clock = time.monotonic()
         error: BaseException | None = None
         try:
-            task.func(*job.args, **job.kwargs)
-        except BaseException as exc:  # noqa: BLE001 - any failure is recorded, never lost
+            with running(job):
+                task.func(*job.args, **job.kwargs)
+        except BaseException as exc:  # noqa: BLE001 - any failure is retried or recorded
             error = exc
         finally:
             close_old_connections()
@@ -260,12 +280,93 @@ class Worker:
         if error is None:
             self._log(job, lateness_ms, "succeeded", duration_ms)
             return "succeeded"
-        record = failures.failure_record(
-            reason=failures.TASK_ERROR, job=job, body=delivery.body, error=error
+
+        decision = task.retry_policy(self.settings).decide(error, job.attempt)
+        if decision.retry:
+            try:
+                return self._retry(job, decision.delay, lateness_ms, duration_ms, error)
+            except (TypeError, ValueError) as bad_delay:  # e.g. Retry(delay=-1)
+                error = bad_delay
+                decision = Decision(False, reason=failures.TASK_ERROR)
+        self._fail(job, delivery, decision.reason, error)
+        self._log(
+            job,
+            lateness_ms,
+            "failed",
+            duration_ms,
+            f"reason={decision.reason} error={type(error).__name__}: {error}",
         )
-        failures.store_failure(self.settings, record, message_id=job.id)
-        self._log(job, lateness_ms, "failed", duration_ms, f"error={type(error).__name__}: {error}")
         return "failed"
+
+    def _fail(self, job: Job, delivery: Delivery, reason: str, error: BaseException) -> None:
+        record = failures.failure_record(reason=reason, job=job, body=delivery.body, error=error)
+        failures.store_failure(self.settings, record)
+
+    def _retry(
+        self,
+        job: Job,
+        delay: Any,
+        lateness_ms: float,
+        duration_ms: float,
+        error: BaseException,
+    ) -> str:
+        """Publish the next attempt through the delay topology (confirmed) before the ack.
+
+        The worker never sleeps on a retry and never holds the message: the
+        wait happens in the broker, like any other delay.
+        """
+        now = utcnow()
+        wait_ms = delay_ms(
+            delay,
+            now=now,
+            resolution_ms=self.settings.resolution_ms,
+            max_delay_ms=self.settings.max_delay_ms,
+        )
+        publish(
+            job.next_attempt(now + timedelta(milliseconds=wait_ms)), wait_ms, settings=self.settings
+        )
+        self._log(
+            job,
+            lateness_ms,
+            "retrying",
+            duration_ms,
+            f"retry_in_ms={wait_ms} error={type(error).__name__}: {error}",
+        )
+        return "retrying"
+
+    def _count_redelivery(self, delivery: Delivery, job: Job) -> str | None:
+        """Classic queues do not count deliveries, so the worker does.
+
+        A redelivered message was delivered before without an ack: the worker
+        running it crashed (or lost its connection). Rather than run it here,
+        put a copy carrying the count back in the ready queue (confirmed) and
+        ack this one; past DELIVERY_LIMIT the job goes to the failed queue, so
+        a job that kills every worker cannot loop forever.
+        """
+        count = int(delivery.headers.get(DELIVERIES_HEADER, 0)) + 1
+        if count > self.settings.delivery_limit:
+            error = RuntimeError(
+                f"delivered {count} times without an ack: it may crash the worker "
+                f"(DEFERRED['DELIVERY_LIMIT'] is {self.settings.delivery_limit})"
+            )
+            self._fail(job, delivery, failures.DELIVERY_LIMIT, error)
+            self._log(job, 0.0, "failed", 0.0, f"reason=delivery_limit deliveries={count}")
+            return "failed"
+        publisher(self.settings.broker_url).publish(
+            "",
+            delivery.queue,
+            delivery.body,
+            message_id=job.id,
+            headers={DELIVERIES_HEADER: count},
+        )
+        logger.warning(
+            "job=%s task=%s was redelivered (%d unacked deliveries so far); requeued with "
+            "its count.",
+            job.id,
+            job.task,
+            count,
+        )
+        return "requeued"
 
     def _reschedule_early(self, job: Job, now: datetime) -> str:
         """A job that arrived before its due time (e.g. the clocks of two hosts differ)
@@ -293,7 +394,9 @@ class Worker:
     def _log(
         job: Job, lateness_ms: float, outcome: str, duration_ms: float, extra: str = ""
     ) -> None:
-        level = logging.INFO if outcome in ("succeeded", "rescheduled") else logging.ERROR
+        level = {"succeeded": logging.INFO, "rescheduled": logging.INFO}.get(outcome, logging.ERROR)
+        if outcome == "retrying":
+            level = logging.WARNING
         logger.log(
             level,
             "job=%s task=%s attempt=%d lateness_ms=%.1f outcome=%s duration_ms=%.1f%s",

@@ -63,7 +63,7 @@ def test_unknown_task_and_garbage_land_in_the_failed_queue(clean, raw_channel, r
     defer(record, 0.1, records, "still-alive")
     assert wait_for(lambda: depth(raw_channel, clean.failed_queue.name) == 3, 10)
     by_reason = sorted(r["reason"] for r in failed_records(raw_channel, clean))
-    assert by_reason == ["undecodable", "undecodable", "unknown_task"]
+    assert by_reason == ["invalid", "undecodable", "unknown_task"]
     assert wait_for(lambda: len(read_records(records)) == 1, 5)
 
 
