@@ -9,14 +9,22 @@ defer(send_reminder, timedelta(hours=24), reminder.pk)
 """
 
 from deferred.broker import BrokerError, BrokerUnavailable, TopologyNotDeclared
+from deferred.context import current_job
 from deferred.publishing import defer
+from deferred.retries import Exponential, Retry
 from deferred.tasks import Task, task
+
+from deferred import testing  # isort: skip  # after the names it uses
 
 __all__ = [
     "BrokerError",
     "BrokerUnavailable",
+    "Exponential",
+    "Retry",
     "Task",
     "TopologyNotDeclared",
+    "current_job",
     "defer",
     "task",
+    "testing",
 ]

@@ -189,6 +189,16 @@ def publisher(url: str) -> Publisher:
 # --------------------------------------------------------------------------- administration
 
 
+@dataclass(frozen=True)
+class Taken:
+    """A message taken from a queue, not yet acked."""
+
+    tag: int
+    body: bytes
+    headers: dict[str, Any]
+    message_id: str | None
+
+
 @dataclass
 class DeclareReport:
     created: list[str] = field(default_factory=list)
@@ -326,30 +336,46 @@ class Admin:
         return report
 
     @contextmanager
+    def take_all(self, queue: str) -> Iterator[tuple[BlockingChannel, list[Taken]]]:
+        """Every message of ``queue``, taken unacked on a channel of their own.
+
+        Ack the ones you consume with ``channel.basic_ack(taken.tag)``; closing
+        the channel at the end of the block puts all others back. A crash in
+        the block therefore loses nothing: unacked messages return to the queue.
+        """
+        channel = self.connection.channel()
+        entries: list[Taken] = []
+        try:
+            while True:
+                method, props, body = channel.basic_get(queue)
+                if method is None:
+                    break
+                entries.append(
+                    Taken(method.delivery_tag, body, dict(props.headers or {}), props.message_id)
+                )
+            yield channel, entries
+        finally:
+            if channel.is_open:
+                channel.close()
+
+    @contextmanager
     def _registry(self, plan: Plan) -> Iterator[tuple[BlockingChannel, list[tuple[int, Any]]]]:
         """Every registry message, taken unacked: ``(delivery tag, record or None)``.
 
         AMQP cannot list queues, so each declared topology leaves a small
-        persistent message in a registry queue. Closing the channel puts back
-        whatever was not acked.
+        persistent message in a registry queue.
         """
-        channel = self.connection.channel()
-        entries: list[tuple[int, Any]] = []
-        try:
-            while True:
-                method, _props, body = channel.basic_get(plan.registry_queue.name)
-                if method is None:
-                    break
+        with self.take_all(plan.registry_queue.name) as (channel, taken):
+            entries: list[tuple[int, Any]] = []
+            for message in taken:
                 try:
-                    record = json.loads(body)
+                    record = json.loads(message.body)
                     record["topology"]
                 except (ValueError, KeyError, TypeError):
-                    logger.warning("Ignoring an unreadable topology record: %r", body[:200])
+                    logger.warning("Ignoring an unreadable topology record: %r", message.body[:200])
                     record = None
-                entries.append((method.delivery_tag, record))
+                entries.append((message.tag, record))
             yield channel, entries
-        finally:
-            channel.close()
 
     def topology_records(self, plan: Plan) -> list[dict[str, Any]]:
         """The topologies declared under ``plan``'s prefix, as recorded in its registry."""

@@ -16,12 +16,16 @@ import json
 import os
 import socket
 import traceback
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from datetime import timedelta
 from typing import Any
 
 from deferred import broker
 from deferred.conf import DeferredSettings
+from deferred.delays import delay_ms
 from deferred.jobs import BrokenMessage, Job, new_job_id, utcnow
+from deferred.publishing import publish
 from deferred.topology import plan_topology
 
 #: The task raised and is not retried (no retries configured, or a permanent error).
@@ -188,3 +192,98 @@ def _from_record(data: dict[str, Any]) -> FailedJob:
         failed_at=data.get("failed_at"),
         job=job,
     )
+
+
+# --------------------------------------------------------------------------- operations
+
+
+@dataclass
+class Outcome:
+    """What a re-drive or purge did, by job id."""
+
+    done: list[str] = field(default_factory=list)
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+
+
+def list_failed(settings: DeferredSettings) -> list[FailedJob]:
+    """Every entry of the failed queue, oldest first; the queue is left as it was."""
+    plan = plan_topology(settings)
+    with broker.admin_channel(settings.broker_url) as admin:
+        if not admin.queue_exists(plan.failed_queue.name):
+            raise broker.TopologyNotDeclared(
+                f"The failed queue {plan.failed_queue.name!r} does not exist. "
+                "Run `python manage.py declare_delay_topology`."
+            )
+        with admin.take_all(plan.failed_queue.name) as (_channel, taken):
+            return [parse_failed(t.body, t.headers, t.message_id) for t in taken]
+
+
+def _select(
+    settings: DeferredSettings,
+    ids: list[str] | None,
+    act: Callable[[FailedJob], str | None],
+    confirm: Callable[[list[FailedJob]], bool] | None = None,
+) -> Outcome:
+    """Apply ``act`` to the chosen entries (``ids``, or all if ``None``), acking each
+    one only after ``act`` succeeded for it. ``act`` returns a reason to skip, or None.
+
+    Entries not acked go back to the queue when the channel closes, so a
+    crash at any point leaves each job either still failed or handled.
+    """
+    plan = plan_topology(settings)
+    outcome = Outcome()
+    wanted = None if ids is None else set(ids)
+    with broker.admin_channel(settings.broker_url) as admin:
+        with admin.take_all(plan.failed_queue.name) as (channel, taken):
+            chosen = []
+            for message in taken:
+                entry = parse_failed(message.body, message.headers, message.message_id)
+                if wanted is None or entry.id in wanted:
+                    chosen.append((message, entry))
+            if confirm is not None and chosen and not confirm([e for _m, e in chosen]):
+                return outcome
+            for message, entry in chosen:
+                skip = act(entry)
+                if skip:
+                    outcome.skipped.append((entry.id, skip))
+                    continue
+                channel.basic_ack(message.tag)
+                outcome.done.append(entry.id)
+    found = set(outcome.done) | {entry_id for entry_id, _ in outcome.skipped}
+    outcome.missing = sorted((wanted or set()) - found)
+    return outcome
+
+
+def redrive(settings: DeferredSettings, ids: list[str] | None, delay_s: float = 0) -> Outcome:
+    """Defer the chosen failed jobs again, after ``delay_s``, as a fresh first attempt.
+
+    Each one is published (and confirmed) before its failed entry is acked.
+    """
+
+    def act(entry: FailedJob) -> str | None:
+        if entry.job is None:
+            return "its body could not be read, so there is nothing to run"
+        if entry.job.queue not in settings.queues:
+            return f"its queue {entry.job.queue!r} is not in DEFERRED['QUEUES']"
+        now = utcnow()
+        wait_ms = delay_ms(
+            delay_s,
+            now=now,
+            resolution_ms=settings.resolution_ms,
+            max_delay_ms=settings.max_delay_ms,
+        )
+        job = replace(entry.job, attempt=1, due=now + timedelta(milliseconds=wait_ms))
+        publish(job, wait_ms, settings=settings)
+        return None
+
+    return _select(settings, ids, act)
+
+
+def purge(
+    settings: DeferredSettings,
+    ids: list[str] | None,
+    confirm: Callable[[list[FailedJob]], bool] | None = None,
+) -> Outcome:
+    """Delete the chosen failed jobs, after ``confirm`` (if given) agreed."""
+    return _select(settings, ids, lambda entry: None, confirm)

@@ -134,7 +134,7 @@ def run_worker() -> Iterator[Callable[..., Worker]]:
 class WorkerProcess:
     """``manage.py run_deferred_worker`` as a real subprocess, for signals and kills."""
 
-    def __init__(self, log: Path, *args: str) -> None:
+    def __init__(self, log: Path, *args: str, expect_exit: bool = False) -> None:
         self.log = log
         env = {**os.environ, "DJANGO_SETTINGS_MODULE": "tests.settings", "PYTHONPATH": str(ROOT)}
         self.proc = subprocess.Popen(
@@ -144,10 +144,12 @@ class WorkerProcess:
             stdout=subprocess.DEVNULL,
             stderr=log.open("w"),
         )
-        assert wait_for(
+        started = wait_for(
             lambda: "Worker consuming" in self.output() or self.proc.poll() is not None, 20
-        ), self.output()
-        assert self.proc.poll() is None, self.output()
+        )
+        assert started, self.output()
+        if not expect_exit:
+            assert self.proc.poll() is None, self.output()
 
     def output(self) -> str:
         return self.log.read_text() if self.log.exists() else ""
@@ -168,8 +170,10 @@ class WorkerProcess:
 def worker_process(tmp_path: Path) -> Iterator[Callable[..., WorkerProcess]]:
     made: list[WorkerProcess] = []
 
-    def start(*args: str) -> WorkerProcess:
-        process = WorkerProcess(tmp_path / f"worker-{len(made)}.log", *args)
+    def start(*args: str, expect_exit: bool = False) -> WorkerProcess:
+        process = WorkerProcess(
+            tmp_path / f"worker-{len(made)}.log", *args, expect_exit=expect_exit
+        )
         made.append(process)
         return process
 

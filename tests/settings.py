@@ -15,7 +15,7 @@ TIME_ZONE = "UTC"
 INSTALLED_APPS = [
     "django.contrib.contenttypes",
     "deferred",
-    "tests.testapp",
+    "tests.testapp.apps.TestAppConfig",
     "demo_project.reminders",
 ]
 DATABASES = {
@@ -34,6 +34,9 @@ DEFERRED = {
         "DEFERRED_TEST_PREFIX", f"deferred-test-{uuid.uuid4().hex[:8]}"
     ),
     "QUEUES": ["default", "other"],
+    # Worker subprocesses of the poison-job tests run with other values.
+    "QUEUE_TYPE": os.environ.get("DEFERRED_TEST_QUEUE_TYPE", "classic"),
+    "DELIVERY_LIMIT": int(os.environ.get("DEFERRED_TEST_DELIVERY_LIMIT", "5")),
 }
 
 LOGGING = {

@@ -5,7 +5,7 @@ import json
 import os
 import time
 
-from deferred import task
+from deferred import Retry, current_job, task
 
 
 def _append(path: str, **fields: object) -> None:
@@ -42,3 +42,59 @@ def read_records(path: str) -> list[dict]:
         return []
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def _attempt() -> int:
+    job = current_job()
+    assert job is not None, "current_job() is None inside a running job"
+    return job.attempt
+
+
+@task(name="tests.flaky", max_retries=3, retry_backoff=[0.5, 1.0])
+def flaky(path: str, label: str, failures: int) -> None:
+    """Fails its first ``failures`` attempts."""
+    attempt = _attempt()
+    _append(path, label=label, event="attempt", attempt=attempt, job=current_job().id)
+    if attempt <= failures:
+        raise ConnectionError(f"attempt {attempt}: the service is down")
+
+
+@task(name="tests.always_fails", max_retries=2, retry_backoff=[0.1])
+def always_fails(path: str, label: str) -> None:
+    _append(path, label=label, event="attempt", attempt=_attempt())
+    raise RuntimeError(f"{label} always fails")
+
+
+@task(name="tests.permanent", max_retries=3, retry_backoff=[0.1], dont_retry_for=(ValueError,))
+def permanent(path: str, label: str) -> None:
+    _append(path, label=label, event="attempt", attempt=_attempt())
+    raise ValueError("bad input: retrying will not help")
+
+
+@task(name="tests.asks_retry", max_retries=1)
+def asks_retry(path: str, label: str) -> None:
+    attempt = _attempt()
+    _append(path, label=label, event="attempt", attempt=attempt)
+    if attempt == 1:
+        raise Retry(delay=0.3)
+
+
+@task(name="tests.fails_until_file")
+def fails_until_file(path: str, label: str, flag: str) -> None:
+    _append(path, label=label, event="attempt", attempt=_attempt())
+    if not os.path.exists(flag):
+        raise FileNotFoundError(flag)
+
+
+@task(name="tests.crash")
+def crash(path: str, label: str) -> None:
+    """Kills the worker process every time it runs: a poison job."""
+    _append(path, label=label, event="attempt")
+    os._exit(3)
+
+
+@task(name="tests.who_am_i")
+def who_am_i(path: str, label: str) -> None:
+    job = current_job()
+    assert job is not None
+    _append(path, label=label, event="ran", job=job.id, attempt=job.attempt, task=job.task)

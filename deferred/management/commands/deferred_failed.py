@@ -1,0 +1,110 @@
+"""Inspect, re-drive and purge the jobs in the failed queue."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from django.core.exceptions import ImproperlyConfigured
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from deferred import failures
+from deferred.broker import BrokerError
+from deferred.conf import get_settings
+
+
+def _seconds(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number of seconds") from None
+    if not 0 <= number < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {value}")
+    return number
+
+
+class Command(BaseCommand):
+    help = (
+        "Failed jobs: `list [--json]`, `retry ID ... | --all [--delay SECONDS]`, "
+        "`purge ID ... | --all [--yes]`."
+    )
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
+        listing = actions.add_parser("list", help="Show the failed jobs.")
+        listing.add_argument("--json", action="store_true", help="A JSON list of objects.")
+        retry = actions.add_parser("retry", help="Defer failed jobs again (a fresh attempt 1).")
+        retry.add_argument("ids", nargs="*", metavar="ID")
+        retry.add_argument("--all", action="store_true", help="Every failed job.")
+        retry.add_argument("--delay", type=_seconds, default=0.0, help="Seconds from now.")
+        purge = actions.add_parser("purge", help="Delete failed jobs for good.")
+        purge.add_argument("ids", nargs="*", metavar="ID")
+        purge.add_argument("--all", action="store_true", help="Every failed job.")
+        purge.add_argument("--yes", action="store_true", help="Do not ask for confirmation.")
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        try:
+            settings = get_settings()
+        except ImproperlyConfigured as exc:
+            raise CommandError(str(exc)) from exc
+        action = options["action"]
+        try:
+            if action == "list":
+                self._list(failures.list_failed(settings), as_json=options["json"])
+                return
+            ids = self._ids(options)
+            if action == "retry":
+                outcome = failures.redrive(settings, ids, options["delay"])
+                verb = "re-queued"
+            else:
+                confirm = None if options["yes"] else self._confirm
+                outcome = failures.purge(settings, ids, confirm)
+                verb = "purged"
+        except BrokerError as exc:
+            raise CommandError(str(exc)) from exc
+        self._report(outcome, verb)
+
+    def _ids(self, options: dict[str, Any]) -> list[str] | None:
+        if options["all"] and options["ids"]:
+            raise CommandError("Give job ids or --all, not both.")
+        if not options["all"] and not options["ids"]:
+            raise CommandError("Give the ids of the jobs (see `list`), or --all.")
+        return None if options["all"] else list(options["ids"])
+
+    def _confirm(self, chosen: list[failures.FailedJob]) -> bool:
+        if not sys.stdin.isatty():
+            raise CommandError(
+                f"Refusing to purge {len(chosen)} failed job(s) without confirmation: "
+                "run it in a terminal, or add --yes."
+            )
+        answer = input(f"Purge {len(chosen)} failed job(s) for good? [y/N] ")
+        return answer.strip().lower() in ("y", "yes")
+
+    def _list(self, entries: list[failures.FailedJob], *, as_json: bool) -> None:
+        if as_json:
+            self.stdout.write(json.dumps([e.to_json() for e in entries], indent=2))
+            return
+        if not entries:
+            self.stdout.write("No failed jobs.")
+            return
+        for e in entries:
+            error = (e.error or "").splitlines()[0][:120] if e.error else ""
+            self.stdout.write(
+                f"{e.id}  {e.task or '?'}  {e.reason}  attempts={e.attempts or '?'}  "
+                f"failed_at={e.failed_at or '?'}  {error}"
+            )
+        self.stdout.write(f"{len(entries)} failed job(s).")
+
+    def _report(self, outcome: failures.Outcome, verb: str) -> None:
+        if outcome.done:
+            self.stdout.write(self.style.SUCCESS(f"{len(outcome.done)} job(s) {verb}."))
+            for job_id in outcome.done:
+                self.stdout.write(f"  {job_id}")
+        for job_id, why in outcome.skipped:
+            self.stderr.write(f"Skipped {job_id}: {why}.")
+        if outcome.missing:
+            raise CommandError(f"Not in the failed queue: {', '.join(outcome.missing)}.")
+        if not outcome.done and not outcome.skipped:
+            self.stdout.write(f"Nothing {verb}.")
