@@ -76,3 +76,13 @@ def _human(ms: Fraction | int) -> str:
         return str(timedelta(milliseconds=float(ms)))
     except OverflowError:
         return f"{float(ms) / 1000:g} s"
+
+
+def capped_delay_ms(delay: object, *, now: datetime, resolution_ms: int, max_delay_ms: int) -> int:
+    """Like :func:`delay_ms`, but a delay above the maximum waits the maximum.
+
+    For retries: a backoff that grows past MAX_DELAY should wait as long as
+    the topology allows, not turn a retry into a failure.
+    """
+    exact = min(exact_delay_ms(delay, now), Fraction(max_delay_ms))
+    return math.ceil(exact / resolution_ms) * resolution_ms

@@ -46,6 +46,21 @@ UNROUTABLE = "unroutable"
 REASON_HEADER = "x-deferred-reason"
 
 
+def describe(error: BaseException) -> str:
+    """``str(error)``, even for an exception whose ``__str__`` itself fails."""
+    try:
+        return str(error)
+    except Exception:  # noqa: BLE001 - a broken __str__ must not lose the job
+        return f"<{type(error).__name__} whose message cannot be printed>"
+
+
+def _traceback(error: BaseException) -> str:
+    try:
+        return "".join(traceback.format_exception(error))
+    except Exception:  # noqa: BLE001
+        return f"<traceback of {type(error).__name__} cannot be printed>"
+
+
 def failure_record(
     *,
     reason: str,
@@ -60,19 +75,20 @@ def failure_record(
         "id": job.id if job else new_job_id(),
         "task": job.task if job else None,
         "reason": reason,
-        "detail": detail or (str(error) if error else reason),
+        "detail": detail or (describe(error) if error else reason),
         "failed_at": utcnow().isoformat(),
         "worker": f"{socket.gethostname()}:{os.getpid()}",
         "job": job.to_dict() if job else None,
         "attempts": job.attempt if job else None,
-        "due": job.due.isoformat() if job else None,
+        # When the job was first due; a retried job's last attempt was due later.
+        "due": job.first_due.isoformat() if job else None,
         "error": None,
     }
     if error is not None:
         record["error"] = {
             "type": f"{type(error).__module__}.{type(error).__qualname__}",
-            "message": str(error),
-            "traceback": "".join(traceback.format_exception(error)),
+            "message": describe(error),
+            "traceback": _traceback(error),
         }
     if job is None:
         try:
@@ -223,7 +239,6 @@ def _select(
     settings: DeferredSettings,
     ids: list[str] | None,
     act: Callable[[FailedJob], str | None],
-    confirm: Callable[[list[FailedJob]], bool] | None = None,
 ) -> Outcome:
     """Apply ``act`` to the chosen entries (``ids``, or all if ``None``), acking each
     one only after ``act`` succeeded for it. ``act`` returns a reason to skip, or None.
@@ -241,8 +256,6 @@ def _select(
                 entry = parse_failed(message.body, message.headers, message.message_id)
                 if wanted is None or entry.id in wanted:
                     chosen.append((message, entry))
-            if confirm is not None and chosen and not confirm([e for _m, e in chosen]):
-                return outcome
             for message, entry in chosen:
                 skip = act(entry)
                 if skip:
@@ -261,6 +274,14 @@ def redrive(settings: DeferredSettings, ids: list[str] | None, delay_s: float = 
     Each one is published (and confirmed) before its failed entry is acked.
     """
 
+    # A bad delay is refused before any entry is touched.
+    delay_ms(
+        delay_s,
+        now=utcnow(),
+        resolution_ms=settings.resolution_ms,
+        max_delay_ms=settings.max_delay_ms,
+    )
+
     def act(entry: FailedJob) -> str | None:
         if entry.job is None:
             return "its body could not be read, so there is nothing to run"
@@ -273,17 +294,15 @@ def redrive(settings: DeferredSettings, ids: list[str] | None, delay_s: float = 
             resolution_ms=settings.resolution_ms,
             max_delay_ms=settings.max_delay_ms,
         )
-        job = replace(entry.job, attempt=1, due=now + timedelta(milliseconds=wait_ms))
+        job = replace(
+            entry.job, attempt=1, due=now + timedelta(milliseconds=wait_ms), first_due_at=None
+        )
         publish(job, wait_ms, settings=settings)
         return None
 
     return _select(settings, ids, act)
 
 
-def purge(
-    settings: DeferredSettings,
-    ids: list[str] | None,
-    confirm: Callable[[list[FailedJob]], bool] | None = None,
-) -> Outcome:
-    """Delete the chosen failed jobs, after ``confirm`` (if given) agreed."""
-    return _select(settings, ids, lambda entry: None, confirm)
+def purge(settings: DeferredSettings, ids: list[str] | None) -> Outcome:
+    """Delete the chosen failed jobs (all of them if ``ids`` is ``None``)."""
+    return _select(settings, ids, lambda entry: None)

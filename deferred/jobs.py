@@ -48,6 +48,12 @@ class Job:
     #: 1 on the first run.
     attempt: int = 1
     created: datetime = field(default_factory=utcnow)
+    #: When the first attempt was due (retries move ``due``); ``None``: ``due``.
+    first_due_at: datetime | None = None
+
+    @property
+    def first_due(self) -> datetime:
+        return self.first_due_at or self.due
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -60,6 +66,7 @@ class Job:
             "attempt": self.attempt,
             "queue": self.queue,
             "created": self.created.isoformat(),
+            "first_due": self.first_due.isoformat(),
         }
 
     def encode(self) -> bytes:
@@ -73,7 +80,7 @@ class Job:
             ) from exc
 
     def next_attempt(self, due: datetime) -> Job:
-        return replace(self, attempt=self.attempt + 1, due=due)
+        return replace(self, attempt=self.attempt + 1, due=due, first_due_at=self.first_due)
 
     @classmethod
     def decode(cls, body: bytes) -> Job:
@@ -97,7 +104,10 @@ class Job:
                 queue=_typed(data, "queue", str),
                 attempt=_typed(data, "attempt", int),
                 created=_moment(data, "created"),
+                first_due_at=_moment(data, "first_due") if "first_due" in data else None,
             )
+            if job.first_due_at == job.due:
+                job = replace(job, first_due_at=None)
         except KeyError as exc:
             raise BrokenMessage(f"missing field {exc}") from None
         if job.attempt < 1:

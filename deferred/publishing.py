@@ -9,6 +9,7 @@ points at rows that do not exist.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from datetime import datetime, timedelta
 from functools import partial
@@ -25,9 +26,10 @@ from deferred.topology import plan_topology
 
 logger = logging.getLogger("deferred.publishing")
 
-#: Set by ``deferred.testing`` (eager and capture modes): receives each job
-#: instead of the broker.
-interceptor: Callable[[Job, int], None] | None = None
+#: Pushed by ``deferred.testing`` (eager and capture modes): the newest one
+#: receives each job instead of the broker.
+interceptors: list[Callable[[Job, int], None]] = []
+interceptors_lock = threading.Lock()
 
 
 def defer(
@@ -69,26 +71,40 @@ def defer(
         created=now,
     )
     body = job.encode()  # TypeError now, in the caller, if the arguments are not JSON
-    if interceptor is not None:
-        interceptor(job, wait_ms)
+    if interceptors:
+        interceptors[-1](job, wait_ms)
         return job.id
     on_commit = resolved.options.on_commit
-    alias = _atomic_alias() if (settings.on_commit if on_commit is None else on_commit) else None
-    if alias is None:
+    aliases = _atomic_aliases() if (settings.on_commit if on_commit is None else on_commit) else []
+    if not aliases:
         publish(job, wait_ms, settings=settings, body=body)
-    else:
-        transaction.on_commit(partial(_publish_after_commit, job, settings), using=alias)
+        return job.id
+    # Published once every open transaction has committed; if any rolls back,
+    # its callback is discarded and the job is never published.
+    waiting = set(aliases)
+    lock = threading.Lock()
+
+    def committed(alias: str) -> None:
+        with lock:
+            waiting.discard(alias)
+            last = not waiting
+        if last:
+            _publish_after_commit(job, settings)
+
+    for alias in aliases:
+        transaction.on_commit(partial(committed, alias), using=alias)
     return job.id
 
 
-def _atomic_alias() -> str | None:
-    """The database alias whose transaction is open here, if any (``default`` first)."""
+def _atomic_aliases() -> list[str]:
+    """The database aliases with a transaction open here."""
+    aliases = []
     if transaction.get_connection(DEFAULT_DB_ALIAS).in_atomic_block:
-        return DEFAULT_DB_ALIAS
+        aliases.append(DEFAULT_DB_ALIAS)
     for connection in connections.all(initialized_only=True):
-        if connection.in_atomic_block:
-            return str(connection.alias)
-    return None
+        if connection.alias != DEFAULT_DB_ALIAS and connection.in_atomic_block:
+            aliases.append(str(connection.alias))
+    return aliases
 
 
 def _publish_after_commit(job: Job, settings: DeferredSettings) -> None:

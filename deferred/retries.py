@@ -54,7 +54,10 @@ class Exponential:
             raise ValueError(f"Exponential factor must be at least 1, got {self.factor!r}.")
 
     def seconds(self, retry: int) -> float:
-        nominal = min(self.cap, self.base * self.factor ** min(retry - 1, 1000))
+        try:
+            nominal = min(self.cap, self.base * self.factor ** (retry - 1))
+        except OverflowError:  # factor ** retry beyond floats: long past the cap
+            nominal = self.cap
         return nominal * (1 + random.uniform(0, self.jitter))
 
 

@@ -42,11 +42,26 @@ class CapturedJobs(list[Job]):
         name = task if isinstance(task, str) else task.name
         return [job for job in self if job.task == name]
 
-    def run(self) -> None:
-        """Run every captured job now, earliest due first, and forget them."""
-        for job in sorted(self, key=lambda j: j.due):
-            run_job(job)
-        self.clear()
+    def run(self, max_rounds: int = 100) -> None:
+        """Run the captured jobs now, earliest due first, until none is left.
+
+        Jobs deferred by the jobs that run are captured too and run in the
+        next round (even after the ``with`` block). A task that always defers
+        another job never ends: after ``max_rounds`` this raises.
+        """
+        with _intercepting(lambda job, wait_ms: self.append(job)):
+            for _ in range(max_rounds):
+                if not self:
+                    return
+                batch = sorted(self, key=lambda j: j.due)
+                self.clear()
+                for job in batch:
+                    run_job(job)
+        if self:
+            raise RuntimeError(
+                f"Still {len(self)} job(s) after {max_rounds} rounds: do the tasks defer "
+                "each other forever?"
+            )
 
 
 def run_job(job: Job) -> Any:
@@ -59,12 +74,15 @@ def run_job(job: Job) -> Any:
 
 @contextmanager
 def _intercepting(handler: Callable[[Job, int], None]) -> Iterator[None]:
-    previous = publishing.interceptor
-    publishing.interceptor = handler
+    # A stack, not save-and-restore: blocks that overlap (in two threads)
+    # may end in any order and each removes only its own handler.
+    with publishing.interceptors_lock:
+        publishing.interceptors.append(handler)
     try:
         yield
     finally:
-        publishing.interceptor = previous
+        with publishing.interceptors_lock:
+            publishing.interceptors.remove(handler)
 
 
 @contextmanager
@@ -80,7 +98,8 @@ def eager() -> Iterator[list[Job]]:
     """Run deferred jobs inline, at once, ignoring their delay; yields the jobs run.
 
     An exception raised by a task propagates out of ``defer()``, so a test
-    sees it; retries are not attempted.
+    sees it; retries are not attempted. A task that defers itself recurses:
+    use ``capture()`` and ``run()`` for chains of jobs.
     """
     ran: list[Job] = []
 

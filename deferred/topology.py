@@ -206,6 +206,19 @@ def _ready_queue_arguments(
     args = {**_queue_arguments(queue_type), "x-dead-letter-exchange": failed_exchange}
     if queue_type == "quorum":
         args["x-delivery-limit"] = delivery_limit
+        # The move to the failed queue is confirmed too, like the delay hops.
+        args["x-dead-letter-strategy"] = "at-least-once"
+        args["x-overflow"] = "reject-publish"
+    return args
+
+
+def _kept_queue_arguments(queue_type: str) -> dict[str, Any]:
+    # The failed and registry queues are read by taking messages and handing
+    # them back. RabbitMQ 4 gives quorum queues a default delivery limit of 20
+    # and would drop an entry read that often: set one that is never reached.
+    args = _queue_arguments(queue_type)
+    if queue_type == "quorum":
+        args["x-delivery-limit"] = 1_000_000_000
     return args
 
 
@@ -354,7 +367,7 @@ def build_plan(
         delay_queues=tuple(delay_queues),
         bindings=tuple(bindings),
         ready_queues=ready_queues,
-        failed_queue=Queue(failed, _queue_arguments(queue_type)),
+        failed_queue=Queue(failed, _kept_queue_arguments(queue_type)),
         failed_exchange=Exchange(failed, "fanout"),
-        registry_queue=Queue(f"{prefix}.topologies", _queue_arguments(queue_type)),
+        registry_queue=Queue(f"{prefix}.topologies", _kept_queue_arguments(queue_type)),
     )

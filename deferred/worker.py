@@ -36,7 +36,7 @@ from deferred.broker import (
 )
 from deferred.conf import DeferredSettings, get_settings
 from deferred.context import running
-from deferred.delays import delay_ms
+from deferred.delays import capped_delay_ms, delay_ms
 from deferred.jobs import BrokenMessage, Job, utcnow
 from deferred.publishing import publish
 from deferred.retries import Decision
@@ -266,10 +266,10 @@ class Worker:
             self._log(job, lateness_ms, "failed", 0.0, "reason=unknown_task")
             return "failed"
 
-        close_old_connections()
         clock = time.monotonic()
         error: BaseException | None = None
         try:
+            close_old_connections()
             with running(job):
                 task.func(*job.args, **job.kwargs)
         except BaseException as exc:  # noqa: BLE001 - any failure is retried or recorded
@@ -294,7 +294,7 @@ class Worker:
             lateness_ms,
             "failed",
             duration_ms,
-            f"reason={decision.reason} error={type(error).__name__}: {error}",
+            f"reason={decision.reason} error={type(error).__name__}: {failures.describe(error)}",
         )
         return "failed"
 
@@ -316,7 +316,7 @@ class Worker:
         wait happens in the broker, like any other delay.
         """
         now = utcnow()
-        wait_ms = delay_ms(
+        wait_ms = capped_delay_ms(
             delay,
             now=now,
             resolution_ms=self.settings.resolution_ms,
@@ -330,7 +330,7 @@ class Worker:
             lateness_ms,
             "retrying",
             duration_ms,
-            f"retry_in_ms={wait_ms} error={type(error).__name__}: {error}",
+            f"retry_in_ms={wait_ms} error={type(error).__name__}: {failures.describe(error)}",
         )
         return "retrying"
 

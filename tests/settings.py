@@ -24,7 +24,12 @@ DATABASES = {
         "NAME": os.environ.setdefault(
             "DEFERRED_TEST_DB", os.path.join(tempfile.gettempdir(), "deferred-tests.sqlite3")
         ),
-    }
+    },
+    # A second database, for on-commit publishing across two transactions.
+    "other": {
+        "ENGINE": "django.db.backends.sqlite3",
+        "NAME": os.path.join(tempfile.gettempdir(), "deferred-tests-other.sqlite3"),
+    },
 }
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 

@@ -88,3 +88,21 @@ def test_a_publish_that_fails_after_the_commit_is_logged_loudly_with_the_job(cap
     (entry,) = [r for r in caplog.records if r.levelno == logging.CRITICAL]
     message = entry.getMessage()
     assert job_id in message and "NOT published" in message and '"task"' in message
+
+
+@pytest.mark.django_db(transaction=True, databases=["default", "other"])
+def test_with_two_databases_it_waits_for_both_commits(clean, raw_channel):
+    # The inner (default) transaction commits, the outer (other) one rolls back.
+    with pytest.raises(Rollback), transaction.atomic(using="other"):
+        with transaction.atomic():
+            defer(record, 0, "p", "two-dbs")
+        time.sleep(0.2)
+        assert total_waiting(raw_channel, clean) == 0
+        raise Rollback
+    time.sleep(0.2)
+    assert total_waiting(raw_channel, clean) == 0
+    # Both commit: published once.
+    with transaction.atomic(using="other"), transaction.atomic():
+        job_id = defer(record, 0, "p", "both")
+    assert wait_for(lambda: depth(raw_channel, clean.ready_queues["default"].name) == 1, 5)
+    assert ready_ids(raw_channel, clean) == [job_id]

@@ -6,6 +6,7 @@ import itertools
 import json
 import signal
 import time
+from datetime import datetime
 from io import StringIO
 
 import pytest
@@ -62,6 +63,10 @@ def test_always_failing_task_ends_in_the_failed_queue_after_its_retries(
     assert entry["reason"] == "retries_exhausted" and entry["attempts"] == 3
     assert "doomed always fails" in entry["error"]
     assert "RuntimeError" in entry["traceback"]
+    # The original due time, not the last retry's.
+    first_run = attempts(records)[0]["at"]
+    assert datetime.fromisoformat(entry["due"]).timestamp() <= first_run
+    assert entry["failed_at"] >= entry["due"]
     assert depth(raw_channel, clean.failed_queue.name) == 1  # listing took nothing away
 
 
@@ -126,6 +131,8 @@ def test_failed_command_errors(clean):
         call_command("deferred_failed", "retry", "not-a-job", stdout=StringIO())
     with pytest.raises(CommandError, match="--all"):
         call_command("deferred_failed", "purge", stdout=StringIO())
+    with pytest.raises(CommandError, match="MAX_DELAY"):
+        call_command("deferred_failed", "retry", "--all", "--delay", "1e12", stdout=StringIO())
     with pytest.raises(CommandError, match="not both"):
         call_command("deferred_failed", "purge", "x", "--all", stdout=StringIO())
 

@@ -58,3 +58,26 @@ def test_eager_runs_at_once_with_current_job(tmp_path):
 def test_eager_propagates_task_errors():
     with eager(), pytest.raises(RuntimeError, match="boom"):
         defer(explode, 0, "boom")
+
+
+@override_settings(DEFERRED=NOWHERE)
+def test_capture_run_also_runs_the_jobs_they_defer(tmp_path):
+    from tests.testapp.tasks import chain
+
+    path = str(tmp_path / "r.jsonl")
+    with capture() as jobs:
+        defer(chain, 0, path, 3)
+    jobs.run()  # after the block: the follow-ups are still captured, not published
+    assert [r["label"] for r in read_records(path)] == ["3", "2", "1"]
+    assert jobs == []
+
+
+@override_settings(DEFERRED=NOWHERE)
+def test_nested_modes_unwind_in_any_order(tmp_path):
+    path = str(tmp_path / "r.jsonl")
+    with capture() as outer:
+        with eager():
+            defer(record, 0, path, "eager")
+        defer(record, 0, path, "captured")
+    assert [j.args[1] for j in outer] == ["captured"]
+    assert [r["label"] for r in read_records(path)] == ["eager"]

@@ -98,3 +98,13 @@ def who_am_i(path: str, label: str) -> None:
     job = current_job()
     assert job is not None
     _append(path, label=label, event="ran", job=job.id, attempt=job.attempt, task=job.task)
+
+
+@task(name="tests.chain")
+def chain(path: str, n: int) -> None:
+    """Records ``n``, then defers itself with ``n - 1`` until 1."""
+    _append(path, label=str(n), event="ran")
+    if n > 1:
+        from deferred import defer
+
+        defer(chain, 0, path, n - 1)

@@ -59,10 +59,21 @@ class Command(BaseCommand):
                 outcome = failures.redrive(settings, ids, options["delay"])
                 verb = "re-queued"
             else:
-                confirm = None if options["yes"] else self._confirm
-                outcome = failures.purge(settings, ids, confirm)
+                if not options["yes"]:
+                    # Ask before taking anything: the entries stay visible to
+                    # others, and no connection idles while the operator reads.
+                    entries = failures.list_failed(settings)
+                    chosen = [e for e in entries if ids is None or e.id in ids]
+                    if chosen and not self._confirm(chosen):
+                        self.stdout.write("Nothing purged.")
+                        return
+                    if ids is None:  # exactly what was confirmed, not what came since
+                        ids = [e.id for e in chosen]
+                outcome = failures.purge(settings, ids)
                 verb = "purged"
         except BrokerError as exc:
+            raise CommandError(str(exc)) from exc
+        except (TypeError, ValueError) as exc:
             raise CommandError(str(exc)) from exc
         self._report(outcome, verb)
 
