@@ -230,3 +230,35 @@ def test_a_job_that_kills_the_worker_every_time_ends_in_the_failed_queue(
         finally:
             with admin_channel(broker_url) as admin:
                 admin.delete_everything(plan)
+
+
+def test_redrive_publishes_a_fresh_message_without_dead_letter_headers(clean, raw_channel):
+    # A job dead-lettered into the failed queue carries x-death headers; brokers
+    # before 4.0.1 may drop a re-published message that still has them.
+    import pika
+
+    from deferred.jobs import Job, new_job_id, utcnow
+
+    job = Job(
+        id=new_job_id(), task=record.name, args=("p", "x"), kwargs={}, due=utcnow(), queue="default"
+    )
+    death = {
+        "x-death": [{"reason": "delivery_limit", "queue": "q", "count": 1}],
+        "x-first-death-reason": "delivery_limit",
+        "x-last-death-reason": "delivery_limit",
+    }
+    raw_channel.basic_publish(
+        "",
+        clean.failed_queue.name,
+        job.encode(),
+        pika.BasicProperties(headers=death, delivery_mode=2),
+    )
+    (entry,) = failed_list()
+    assert entry["reason"] == "delivery_limit"
+    call_command("deferred_failed", "retry", job.id, stdout=StringIO())
+    ready = clean.ready_queues["default"].name
+    assert wait_for(lambda: depth(raw_channel, ready) == 1, 5)
+    _method, props, body = raw_channel.basic_get(ready, auto_ack=True)
+    assert Job.decode(body).id == job.id
+    headers = props.headers or {}
+    assert not [h for h in headers if h.startswith(("x-death", "x-first-death", "x-last-death"))]
