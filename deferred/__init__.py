@@ -10,7 +10,7 @@ defer(send_reminder, timedelta(hours=24), reminder.pk)
 
 from deferred.broker import BrokerError, BrokerUnavailable, TopologyNotDeclared
 from deferred.context import current_job
-from deferred.publishing import defer
+from deferred.publishing import defer, defer_many
 from deferred.retries import Exponential, Retry
 from deferred.tasks import Task, task
 
@@ -25,6 +25,7 @@ __all__ = [
     "TopologyNotDeclared",
     "current_job",
     "defer",
+    "defer_many",
     "task",
     "testing",
 ]

@@ -122,7 +122,7 @@ class Publisher:
                 connection.close()
             except Exception:  # noqa: BLE001 - already broken, nothing to save
                 pass
-        local.connection = local.channel = None
+        local.connection = local.channel = local.tx_channel = None
         local.pid = None
 
     def close(self) -> None:
@@ -139,17 +139,12 @@ class Publisher:
         headers: dict[str, Any] | None = None,
     ) -> None:
         """Publish one persistent message and wait for the broker's confirm."""
-        properties = pika.BasicProperties(
-            content_type="application/json",
-            delivery_mode=PERSISTENT,
-            message_id=message_id,
-            headers=headers or None,
-        )
-        for attempt in (1, 2):
+        properties = _properties(message_id, headers)
+
+        def send() -> None:
+            channel = self._channel()
             try:
-                channel = self._channel()
                 channel.basic_publish(exchange, routing_key, body, properties, mandatory=True)
-                return
             except px.UnroutableError:
                 raise TopologyNotDeclared(
                     f"The broker could not route the message to any queue (exchange "
@@ -160,6 +155,57 @@ class Publisher:
                 raise PublishRefused(
                     f"RabbitMQ refused the message for exchange {exchange!r} (negative confirm)."
                 ) from None
+
+        self._reconnecting_once(send)
+
+    def publish_many(self, messages: list[Outgoing]) -> None:
+        """Publish persistent messages in one AMQP transaction: one round trip for all.
+
+        Waiting for a confirm per message caps one thread at about a thousand
+        messages a second; a transaction commits the whole batch at once and
+        is just as durable. ``mandatory`` still applies: RabbitMQ returns an
+        unroutable message before it answers the commit.
+        """
+        returned: list[str] = []
+
+        def on_return(channel: Any, method: Any, properties: Any, body: bytes) -> None:
+            returned.append(properties.message_id or "?")
+
+        def send() -> None:
+            returned.clear()
+            self._channel()  # (re)connects if needed
+            local = self._local
+            tx: BlockingChannel | None = getattr(local, "tx_channel", None)
+            if tx is None or not tx.is_open:
+                tx = local.connection.channel()
+                tx.tx_select()
+                tx.add_on_return_callback(on_return)
+                local.tx_channel = tx
+            for message in messages:
+                tx.basic_publish(
+                    message.exchange,
+                    message.routing_key,
+                    message.body,
+                    _properties(message.message_id, None),
+                    mandatory=True,
+                )
+            tx.tx_commit()
+            local.connection.process_data_events(0)  # deliver the returns
+            if returned:
+                raise TopologyNotDeclared(
+                    f"{len(returned)} of {len(messages)} message(s) could not be routed "
+                    f"(job ids {', '.join(returned[:5])}...): the delay topology or a target "
+                    f"queue is missing. {_NOT_DECLARED_HINT}"
+                )
+
+        self._reconnecting_once(send)
+
+    def _reconnecting_once(self, send: Callable[[], None]) -> None:
+        """Run ``send``; on a lost connection reconnect once and run it again."""
+        for attempt in (1, 2):
+            try:
+                send()
+                return
             except px.ChannelClosedByBroker as exc:
                 self._forget()
                 if exc.reply_code == NOT_FOUND:
@@ -178,6 +224,25 @@ class Publisher:
                         f"publishing, twice: {exc!r}"
                     ) from exc
                 logger.warning("Connection to RabbitMQ lost (%r); reconnecting once.", exc)
+
+
+@dataclass(frozen=True)
+class Outgoing:
+    """One message of :meth:`Publisher.publish_many`."""
+
+    exchange: str
+    routing_key: str
+    body: bytes
+    message_id: str
+
+
+def _properties(message_id: str, headers: dict[str, Any] | None) -> pika.BasicProperties:
+    return pika.BasicProperties(
+        content_type="application/json",
+        delivery_mode=PERSISTENT,
+        message_id=message_id,
+        headers=headers or None,
+    )
 
 
 @lru_cache(maxsize=4)

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from functools import partial
 from typing import Any
@@ -49,6 +50,55 @@ def defer(
     carry; ``deferred.broker.BrokerError`` if the broker cannot take the job.
     """
     settings = get_settings()
+    prepared = _prepare(task, delay, args, kwargs, settings, utcnow())
+    _dispatch([prepared], settings)
+    return prepared.job.id
+
+
+def defer_many(calls: Iterable[Sequence[Any]]) -> list[str]:
+    """Defer many jobs at once; return their ids in order.
+
+    Each call is ``(task, delay, args)`` or ``(task, delay, args, kwargs)``.
+    Every call is validated before anything is published: if one is bad,
+    none is. The jobs are then published in one AMQP transaction (with the
+    on-commit rule of ``defer()``), which is several times faster than one
+    ``defer()`` per job.
+    """
+    settings = get_settings()
+    now = utcnow()
+    prepared = []
+    for n, call in enumerate(calls):
+        if not isinstance(call, Sequence) or isinstance(call, str) or len(call) not in (3, 4):
+            raise TypeError(
+                f"defer_many() call #{n} must be (task, delay, args) or "
+                f"(task, delay, args, kwargs), got {call!r}."
+            )
+        task, delay, args, *rest = call
+        kwargs = rest[0] if rest else {}
+        if not isinstance(args, list | tuple) or not isinstance(kwargs, dict):
+            raise TypeError(f"defer_many() call #{n}: args must be a tuple, kwargs a dict.")
+        prepared.append(_prepare(task, delay, tuple(args), kwargs, settings, now))
+    _dispatch(prepared, settings)
+    return [p.job.id for p in prepared]
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    job: Job
+    wait_ms: int
+    body: bytes
+    on_commit: bool
+
+
+def _prepare(
+    task: object,
+    delay: object,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    settings: DeferredSettings,
+    now: datetime,
+) -> _Prepared:
+    """Every check ``defer()`` makes, and the job it would publish."""
     resolved = _resolve(task)
     queue = resolved.target_queue or settings.default_queue
     if queue not in settings.queues:
@@ -57,7 +107,6 @@ def defer(
             f"{list(settings.queues)!r}: add it there and run declare_delay_topology."
         )
     resolved.check_arguments(args, kwargs)
-    now = utcnow()
     wait_ms = delay_ms(
         delay, now=now, resolution_ms=settings.resolution_ms, max_delay_ms=settings.max_delay_ms
     )
@@ -71,16 +120,25 @@ def defer(
         created=now,
     )
     body = job.encode()  # TypeError now, in the caller, if the arguments are not JSON
-    if interceptors:
-        interceptors[-1](job, wait_ms)
-        return job.id
     on_commit = resolved.options.on_commit
-    aliases = _atomic_aliases() if (settings.on_commit if on_commit is None else on_commit) else []
-    if not aliases:
-        publish(job, wait_ms, settings=settings, body=body)
-        return job.id
+    return _Prepared(job, wait_ms, body, settings.on_commit if on_commit is None else on_commit)
+
+
+def _dispatch(prepared: list[_Prepared], settings: DeferredSettings) -> None:
+    """Hand prepared jobs to a test mode, publish them now, or after the commit."""
+    if interceptors:
+        for p in prepared:
+            interceptors[-1](p.job, p.wait_ms)
+        return
+    aliases = _atomic_aliases() if any(p.on_commit for p in prepared) else []
+    immediate = [p for p in prepared if not (aliases and p.on_commit)]
+    later = [p.job for p in prepared if aliases and p.on_commit]
+    if immediate:
+        _publish_prepared(immediate, settings)
+    if not later:
+        return
     # Published once every open transaction has committed; if any rolls back,
-    # its callback is discarded and the job is never published.
+    # its callback is discarded and the jobs are never published.
     waiting = set(aliases)
     lock = threading.Lock()
 
@@ -89,11 +147,26 @@ def defer(
             waiting.discard(alias)
             last = not waiting
         if last:
-            _publish_after_commit(job, settings)
+            _publish_after_commit(later, settings)
 
     for alias in aliases:
         transaction.on_commit(partial(committed, alias), using=alias)
-    return job.id
+
+
+def _publish_prepared(prepared: list[_Prepared], settings: DeferredSettings) -> None:
+    if len(prepared) == 1:
+        p = prepared[0]
+        publish(p.job, p.wait_ms, settings=settings, body=p.body)
+        return
+    plan = plan_topology(settings)
+    broker.publisher(settings.broker_url).publish_many(
+        [
+            broker.Outgoing(
+                plan.ingest_exchange, plan.routing_key(p.wait_ms, p.job.queue), p.body, p.job.id
+            )
+            for p in prepared
+        ]
+    )
 
 
 def _atomic_aliases() -> list[str]:
@@ -107,30 +180,35 @@ def _atomic_aliases() -> list[str]:
     return aliases
 
 
-def _publish_after_commit(job: Job, settings: DeferredSettings) -> None:
-    """Publish once the transaction committed, waiting only for what is left of the delay.
+def _publish_after_commit(jobs: list[Job], settings: DeferredSettings) -> None:
+    """Publish once the transaction committed, waiting only for what is left of each delay.
 
     The commit has happened, so raising would only turn the caller's
     successful request into an error: the failure is logged loudly instead,
-    with the whole job, so that it can be deferred again by hand.
+    with the whole jobs, so that they can be deferred again by hand.
     """
     try:
-        wait_ms = delay_ms(
-            job.due,
-            now=utcnow(),
-            resolution_ms=settings.resolution_ms,
-            max_delay_ms=settings.max_delay_ms,
-        )
-        publish(job, wait_ms, settings=settings)
+        now = utcnow()
+        prepared = []
+        for job in jobs:
+            wait_ms = delay_ms(
+                job.due,
+                now=now,
+                resolution_ms=settings.resolution_ms,
+                max_delay_ms=settings.max_delay_ms,
+            )
+            prepared.append(_Prepared(job, wait_ms, job.encode(), True))
+        _publish_prepared(prepared, settings)
     except Exception:
-        logger.critical(
-            "Job %s of task %s was NOT published after its transaction committed; "
-            "it will not run unless deferred again. Job: %s",
-            job.id,
-            job.task,
-            job.encode().decode(),
-            exc_info=True,
-        )
+        for job in jobs:
+            logger.critical(
+                "Job %s of task %s was NOT published after its transaction committed; "
+                "it will not run unless deferred again. Job: %s",
+                job.id,
+                job.task,
+                job.encode().decode(),
+                exc_info=True,
+            )
 
 
 def _resolve(task: object) -> Task[..., Any]:

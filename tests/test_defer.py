@@ -261,3 +261,36 @@ def test_defer_fails_instead_of_hanging_while_the_broker_blocks_publishers(clean
             assert time.monotonic() - started < 10
     finally:
         rabbitmqctl("set_vm_memory_high_watermark", "0.4")
+
+
+def test_defer_many_publishes_all_in_one_go(clean, records, run_worker):
+    from deferred import defer_many
+
+    calls = [(record, 0.05 * (n % 4), (records, str(n))) for n in range(300)]
+    calls.append((explode.name, 0, ("via name",), {}))
+    ids = defer_many(calls)
+    assert len(ids) == 301 and len(set(ids)) == 301
+    run_worker(concurrency=4)
+    assert wait_for(lambda: len(read_records(records)) == 300, 20)
+    assert sorted(int(r["label"]) for r in read_records(records)) == list(range(300))
+
+
+def test_defer_many_is_all_or_nothing_on_bad_input(clean, raw_channel):
+    from deferred import defer_many
+
+    with pytest.raises(ValueError):
+        defer_many([(record, 0, ("p", "ok")), (record, -1, ("p", "bad"))])
+    with pytest.raises(TypeError):
+        defer_many([(record, 0)])
+    with pytest.raises(TypeError):
+        defer_many([(record, 0, ("p", object()))])
+    time.sleep(0.1)
+    assert total_waiting(raw_channel, clean) == 0
+
+
+def test_defer_many_raises_when_the_topology_is_missing(broker_url):
+    from deferred import defer_many
+
+    with override_settings(DEFERRED={"BROKER_URL": broker_url, "PREFIX": "deferred-undeclared"}):
+        with pytest.raises(TopologyNotDeclared):
+            defer_many([(record, 1, ("p", "a")), (record, 1, ("p", "b"))])

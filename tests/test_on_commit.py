@@ -106,3 +106,17 @@ def test_with_two_databases_it_waits_for_both_commits(clean, raw_channel):
         job_id = defer(record, 0, "p", "both")
     assert wait_for(lambda: depth(raw_channel, clean.ready_queues["default"].name) == 1, 5)
     assert ready_ids(raw_channel, clean) == [job_id]
+
+
+def test_defer_many_follows_the_on_commit_rule(clean, raw_channel):
+    from deferred import defer_many
+
+    with pytest.raises(Rollback), transaction.atomic():
+        defer_many([(record, 0, ("p", "a")), (record, 0, ("p", "b"))])
+        raise Rollback
+    with transaction.atomic():
+        ids = defer_many([(record, 0, ("p", "c")), (record, 0, ("p", "d"))])
+        time.sleep(0.2)
+        assert total_waiting(raw_channel, clean) == 0
+    assert wait_for(lambda: depth(raw_channel, clean.ready_queues["default"].name) == 2, 5)
+    assert sorted(ready_ids(raw_channel, clean)) == sorted(ids)
