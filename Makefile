@@ -1,4 +1,4 @@
-.PHONY: demo test ci
+.PHONY: demo test ci bench bench-quick
 
 demo:  ## run the demo: broker, topology, worker and web server
 	scripts/demo.sh
@@ -8,3 +8,9 @@ test:  ## run the whole test suite against RabbitMQ
 
 ci:
 	bash .ci/run
+
+bench:  ## the full benchmark run; regenerates docs/bench/
+	scripts/bench.sh
+
+bench-quick:  ## the benchmarks at small sizes, under 5 minutes
+	scripts/bench.sh --quick

@@ -181,8 +181,13 @@ class Publisher:
                 tx.tx_select()
                 tx.add_on_return_callback(on_return)
                 local.tx_channel = tx
+            # The channel's own basic_publish flushes the socket after every
+            # message; inside a transaction nothing is answered before the
+            # commit, so hand the frames to pika's underlying channel and let
+            # the commit flush them all at once.
+            raw = tx._impl
             for message in messages:
-                tx.basic_publish(
+                raw.basic_publish(
                     message.exchange,
                     message.routing_key,
                     message.body,

@@ -14,6 +14,6 @@ venv="$(scripts/bootstrap.sh "${PYTHON:-python3}")"
 
 "$venv/bin/ruff" check .
 "$venv/bin/ruff" format --check .
-"$venv/bin/mypy" deferred demo_project
+"$venv/bin/mypy" deferred demo_project bench
 
 "$venv/bin/pytest" "$@"

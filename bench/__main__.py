@@ -1,0 +1,192 @@
+"""Run the benchmarks and write ``docs/bench/``: results.json, README.md and plots.
+
+python -m bench [--quick] [--only raw,latency,dispatch,sustained,scale,alternatives]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+SCENARIOS = ["raw", "latency", "dispatch", "sustained", "scale", "alternatives"]
+
+
+def parameters(quick: bool, smoke: bool = False) -> dict[str, Any]:
+    from bench.common import Config
+
+    if smoke:  # the test suite's check that the benchmarks still run
+        return {
+            "raw": 200,
+            "latency": 30,
+            "dispatch": 200,
+            "dispatch_concurrency": (2,),
+            "sustained_configs": [Config(16)],
+            "sustained_rates": [50],
+            "sustained_mixes": ["uniform 0-0.5 s"],
+            "sustained_seconds": 1,
+            "mix_configs": [],
+            "mix_rates": [],
+            "scale": 500,
+            "alt_jobs": 20,
+            "alt_delay_s": 0.3,
+            "alt_polls": [0.2],
+        }
+    if quick:
+        return {
+            "raw": 5000,
+            "latency": 500,
+            "dispatch": 3000,
+            "dispatch_concurrency": (1, 8),
+            "sustained_configs": [Config(2), Config(16)],
+            "sustained_rates": [100, 500],
+            "sustained_mixes": ["uniform 0-5 s"],
+            "sustained_seconds": 3,
+            "mix_configs": [],
+            "mix_rates": [],
+            "scale": 20_000,
+            "alt_jobs": 300,
+            "alt_delay_s": 2.0,
+            "alt_polls": [1.0],
+        }
+    return {
+        "raw": 20_000,
+        "latency": 2000,
+        "dispatch": 20_000,
+        "dispatch_concurrency": (1, 4, 8),
+        "sustained_configs": [
+            Config(2),
+            Config(4),
+            Config(8),
+            Config(10),
+            Config(16),
+            Config(2, 1.0),
+            Config(16, 1.0),
+            Config(16, 0.01),
+            Config(2, queue_type="quorum"),
+            Config(16, queue_type="quorum"),
+        ],
+        "sustained_rates": [100, 300, 500, 800, 1200, 1600],
+        "sustained_mixes": ["uniform 0-5 s"],
+        "sustained_seconds": 8,
+        "mix_configs": [Config(2), Config(16)],
+        "mix_rates": [100, 500],
+        "scale": 1_000_000,
+        "alt_jobs": 500,
+        "alt_delay_s": 5.0,
+        "alt_polls": [1.0, 60.0],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="small sizes: under 5 minutes")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, for the test suite")
+    parser.add_argument("--only", default=",".join(SCENARIOS))
+    parser.add_argument("--out", default=str(ROOT / "docs" / "bench"))
+    args = parser.parse_args(argv)
+
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "bench.settings")
+    import django
+
+    django.setup()
+    from bench import alternatives, dispatch, latency, raw, report, scale, sustained
+
+    chosen = [s for s in args.only.split(",") if s]
+    unknown = set(chosen) - set(SCENARIOS)
+    if unknown:
+        parser.error(f"unknown scenario(s): {', '.join(sorted(unknown))}")
+    p = parameters(args.quick, args.smoke)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results_path = out_dir / "results.json"
+    results: dict[str, Any] = json.loads(results_path.read_text()) if results_path.exists() else {}
+    results["meta"] = {
+        "command": "python -m bench"
+        + (" --quick" if args.quick else "")
+        + ("" if chosen == SCENARIOS else f" --only {','.join(chosen)}"),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "rabbitmq": _rabbitmq_version(),
+        "quick": args.quick,
+        "smoke": args.smoke,
+    }
+
+    def step(name: str, fn: Any) -> None:
+        if name not in chosen:
+            return
+        print(f"== {name}", flush=True)
+        started = time.monotonic()
+        results[name] = fn()
+        results[name + "_seconds"] = round(time.monotonic() - started, 1)
+        results_path.write_text(json.dumps(results, indent=1, default=str))
+
+    step("raw", lambda: raw.run(p["raw"]))
+    step("latency", lambda: latency.run(p["latency"]))
+    step("dispatch", lambda: dispatch.run(p["dispatch"], p["dispatch_concurrency"]))
+
+    def run_sustained() -> dict[str, Any]:
+        points = sustained.run(
+            p["sustained_configs"],
+            p["sustained_rates"],
+            p["sustained_mixes"],
+            p["sustained_seconds"],
+        )
+        other_mixes = [m for m in sustained.mixes() if m not in p["sustained_mixes"]]
+        if p["mix_configs"]:
+            points += sustained.run(
+                p["mix_configs"], p["mix_rates"], other_mixes, p["sustained_seconds"]
+            )
+        from deferred.topology import build_plan
+
+        hops = {}
+        for config in p["sustained_configs"]:
+            plan = build_plan(
+                prefix="x",
+                radix=config.radix,
+                resolution_ms=max(1, round(config.resolution_s * 1000)),
+                max_delay_ms=400 * 86400 * 1000,
+                queue_type=config.queue_type,
+                queues=("default",),
+            )
+            hops[config.label] = sustained.hops_for_real_delays(plan)
+        return {"points": points, "human_delay_hops": hops}
+
+    step("sustained", run_sustained)
+    step("scale", lambda: scale.run(p["scale"]))
+    step(
+        "alternatives",
+        lambda: {
+            "per_message_ttl": alternatives.per_message_ttl(p["alt_jobs"], p["alt_delay_s"]),
+            "queue_per_delay": alternatives.queue_per_delay(p["alt_jobs"], p["alt_delay_s"]),
+            "table_scan": [
+                alternatives.table_scan(p["alt_jobs"], p["alt_delay_s"] * 2, poll)
+                for poll in p["alt_polls"]
+            ],
+        },
+    )
+    report.write(results, out_dir)
+    print(f"Report: {out_dir / 'README.md'}")
+    return 0
+
+
+def _rabbitmq_version() -> str:
+    try:
+        found = subprocess.run(
+            ["rabbitmqctl", "version"], capture_output=True, text=True, timeout=30
+        )
+        return found.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""Scenario 4: offered rate against lateness, per configuration and delay mix.
+
+Producers call ``defer()`` at a fixed offered rate for a while; a worker
+subprocess runs the jobs and notes how late each one ran. The achieved rate,
+the hops per job (from the plan) and the broker's CPU use go beside the
+lateness percentiles.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from bench.common import Config, Worker, cpu_meter, summary, topology
+from bench.tasks import noop
+from deferred import defer
+from deferred.topology import Plan
+
+#: Real-world delays, in seconds; run scaled down by HUMAN_SCALE.
+HUMAN_DELAYS = [30, 60, 300, 3600, 86400]
+HUMAN_SCALE = 1 / 1000
+#: An exponential retry schedule (1 s doubling to 2 min), scaled down like the human mix.
+RETRY_DELAYS = [1, 2, 4, 8, 16, 32, 64, 120]
+RETRY_SCALE = 1 / 20
+
+
+def mixes() -> dict[str, Callable[[random.Random], float]]:
+    return {
+        "uniform 0-5 s": lambda rng: rng.uniform(0, 5),
+        "uniform 0-0.5 s": lambda rng: rng.uniform(0, 0.5),
+        "human (30 s-1 day, x1/1000)": lambda rng: rng.choice(HUMAN_DELAYS) * HUMAN_SCALE,
+        "retry backoff (1-120 s, x1/20)": lambda rng: rng.choice(RETRY_DELAYS) * RETRY_SCALE,
+    }
+
+
+def hops_for_real_delays(plan: Plan) -> dict[str, int]:
+    """Hop counts the plan gives the unscaled human delays."""
+    return {f"{d} s": plan.hops(d * 1000) for d in HUMAN_DELAYS}
+
+
+def _produce(
+    rate: float,
+    seconds: float,
+    delay_of: Callable[[random.Random], float],
+    threads: int,
+    delays: list[float],
+) -> float:
+    """Defer at ``rate`` jobs/s from ``threads`` threads; return the achieved rate."""
+    per_thread = rate / threads
+    count = int(per_thread * seconds)
+    start = time.perf_counter()
+
+    def loop(seed: int) -> None:
+        rng = random.Random(seed)
+        for n in range(count):
+            target = start + n / per_thread
+            pause = target - time.perf_counter()
+            if pause > 0:
+                time.sleep(pause)
+            delay = delay_of(rng)
+            delays.append(delay)
+            defer(noop, delay, n)
+
+    workers = [threading.Thread(target=loop, args=(t,)) for t in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    return count * threads / (time.perf_counter() - start)
+
+
+def run_point(
+    config: Config, mix: str, rate: float, seconds: float, concurrency: int = 4
+) -> dict[str, Any]:
+    delay_of = mixes()[mix]
+    with topology(config) as (prefix, plan):
+        worker = Worker(config, prefix, concurrency)
+        delays: list[float] = []
+        with cpu_meter() as cpu:
+            achieved = _produce(rate, seconds, delay_of, threads=4, delays=delays)
+            # Let the last jobs come due and run.
+            time.sleep(max(delays, default=0) + 1.0)
+        ran = worker.stop()
+    lateness = [late for _id, _at, late in ran]
+    hops = [plan.hops(int(d * 1000)) for d in delays]
+    return {
+        "config": config.label,
+        "mix": mix,
+        "offered_per_s": rate,
+        "achieved_per_s": achieved,
+        "jobs": len(delays),
+        "ran": len(ran),
+        "early": sum(1 for late in lateness if late < 0),
+        "hops_mean": sum(hops) / len(hops) if hops else 0,
+        "lateness_ms": summary(lateness),
+        **cpu,
+    }
+
+
+def run(
+    configs: list[Config], rates: list[float], mixes_to_run: list[str], seconds: float
+) -> list[dict[str, Any]]:
+    points = []
+    for config in configs:
+        for mix in mixes_to_run:
+            for rate in rates:
+                point = run_point(config, mix, rate, seconds)
+                points.append(point)
+                print(
+                    f"  {config.label:22} {mix:32} offered {rate:6.0f}/s achieved "
+                    f"{point['achieved_per_s']:6.0f}/s p99 {point['lateness_ms']['p99']:8.1f} ms "
+                    f"cpu {point.get('broker_cpu_pct', float('nan')):5.0f}%",
+                    flush=True,
+                )
+                # Past saturation, higher rates only take longer to say the same.
+                if point["lateness_ms"]["p99"] > 2000 or point["ran"] < point["jobs"]:
+                    break
+    return points
