@@ -38,6 +38,7 @@ def parameters(quick: bool, smoke: bool = False) -> dict[str, Any]:
             "alt_jobs": 20,
             "alt_delay_s": 0.3,
             "alt_polls": [0.2],
+            "celery": None,
         }
     if quick:
         return {
@@ -55,6 +56,7 @@ def parameters(quick: bool, smoke: bool = False) -> dict[str, Any]:
             "alt_jobs": 300,
             "alt_delay_s": 2.0,
             "alt_polls": [1.0],
+            "celery": {"eta_pending": 5000, "timeout": None, "rates": [100], "seconds": 3},
         }
     return {
         "raw": 20_000,
@@ -82,6 +84,12 @@ def parameters(quick: bool, smoke: bool = False) -> dict[str, Any]:
         "alt_jobs": 500,
         "alt_delay_s": 5.0,
         "alt_polls": [1.0, 60.0],
+        "celery": {
+            "eta_pending": 100_000,
+            "timeout": (5000, 20.0, 20),
+            "rates": [100, 300],
+            "seconds": 8,
+        },
     }
 
 
@@ -171,11 +179,28 @@ def main(argv: list[str] | None = None) -> int:
                 alternatives.table_scan(p["alt_jobs"], p["alt_delay_s"] * 2, poll)
                 for poll in p["alt_polls"]
             ],
+            "celery": _celery(p["celery"]),
         },
     )
     report.write(results, out_dir)
     print(f"Report: {out_dir / 'README.md'}")
     return 0
+
+
+def _celery(p: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Celery in both of its modes, when it is installed (``pip install .[bench]``)."""
+    if p is None:
+        return None
+    try:
+        from bench import celery_peer
+    except ImportError:
+        print("  celery is not installed: skipped (pip install -e '.[bench]')", flush=True)
+        return None
+    out: dict[str, Any] = {"eta_memory": celery_peer.eta_memory(p["eta_pending"])}
+    if p["timeout"]:
+        out["consumer_timeout"] = celery_peer.consumer_timeout(*p["timeout"])
+    out["native"] = [celery_peer.native_delayed_delivery(rate, p["seconds"]) for rate in p["rates"]]
+    return out
 
 
 def _rabbitmq_version() -> str:

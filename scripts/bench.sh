@@ -8,5 +8,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 scripts/ensure-rabbitmq.sh
-venv="$(scripts/bootstrap.sh "${PYTHON:-python3}")"
+venv="$(EXTRAS=dev,bench scripts/bootstrap.sh "${PYTHON:-python3}")"
 PYTHONPATH=. DJANGO_SETTINGS_MODULE=bench.settings "$venv/bin/python" -m bench "$@"
