@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import random
 import signal
@@ -84,12 +85,11 @@ def _cleanup(queue_type: str) -> None:
 
 
 def _app(queue_type: str) -> Any:
+    """The Celery app module, configured for ``queue_type`` (re-imported each time)."""
     os.environ["BENCH_CELERY_QUEUE_TYPE"] = queue_type
-    for name in [m for m in sys.modules if m == "bench.celery_app"]:
-        del sys.modules[name]
-    from bench import celery_app
-
-    return celery_app
+    if "bench.celery_app" in sys.modules:
+        return importlib.reload(sys.modules["bench.celery_app"])
+    return importlib.import_module("bench.celery_app")
 
 
 def eta_memory(pending: int) -> dict[str, Any]:
@@ -106,10 +106,11 @@ def eta_memory(pending: int) -> dict[str, Any]:
         connection = pika.BlockingConnection(pika.URLParameters(BROKER_URL))
         channel = connection.channel()
         ready = lambda: channel.queue_declare(mod.QUEUE_NAME, passive=True).method.message_count  # noqa: E731
-        wait_until(lambda: ready() == 0, 300, interval=1)
+        wait_until(lambda: ready() == 0, 120, interval=1)
         time.sleep(2)
         after = rss_mb(worker.proc.pid)
         left_in_broker = ready()
+        held = pending - left_in_broker
         connection.close()
     finally:
         worker.stop()
@@ -119,7 +120,8 @@ def eta_memory(pending: int) -> dict[str, Any]:
         "publish_per_s": pending / publish_s,
         "worker_rss_mb_before": before,
         "worker_rss_mb_after": after,
-        "kb_per_pending_job": (after - before) * 1024 / pending,
+        "held_by_worker": held,
+        "kb_per_held_job": (after - before) * 1024 / held if held else float("nan"),
         "left_ready_in_broker": left_in_broker,
     }
 
@@ -158,8 +160,8 @@ def consumer_timeout(timeout_ms: int, countdown_s: float, jobs: int) -> dict[str
         "countdown_s": countdown_s,
         "jobs": jobs,
         "runs": len(runs),
-        "channel_closed_by_timeout": "delivery acknowledgement on channel" in log
-        or "PRECONDITION_FAILED" in log,
+        "channel_closed_by_timeout": "acknowledgement" in log or "PRECONDITION_FAILED" in log,
+        "duplicate_runs": len(runs) - jobs,
     }
 
 

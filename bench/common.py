@@ -21,7 +21,7 @@ from django.core.management import call_command
 from django.test import override_settings
 
 from deferred.broker import admin_channel
-from deferred.conf import get_settings
+from deferred.conf import DEFAULTS, get_settings
 from deferred.topology import Plan, plan_topology
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -83,9 +83,11 @@ def cpu_meter() -> Iterator[dict[str, float]]:
 
 @dataclass(frozen=True)
 class Config:
-    radix: int = 2
-    resolution_s: float = 0.001
-    queue_type: str = "classic"
+    """One configuration to measure; the defaults are the library's defaults."""
+
+    radix: int = DEFAULTS["RADIX"]
+    resolution_s: float = DEFAULTS["RESOLUTION"].total_seconds()
+    queue_type: str = DEFAULTS["QUEUE_TYPE"]
 
     @property
     def label(self) -> str:

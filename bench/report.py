@@ -288,10 +288,12 @@ def _alternatives(r: dict[str, Any]) -> list[str]:
         "### Celery 5.x against the same broker",
         "",
         "Classic queue, `countdown`: the worker takes each job at once and holds it until its "
-        f"ETA. Worker RSS {_f(eta['worker_rss_mb_before'])} MB empty, "
-        f"{_f(eta['worker_rss_mb_after'])} MB holding {eta['pending']:,} pending jobs: "
-        f"**{_f(eta['kb_per_pending_job'])} KB per pending job** (deferred's worker stays flat, "
-        f"see section 5). Celery published them at {_f(eta['publish_per_s'], 0)}/s.",
+        f"ETA. Of {eta['pending']:,} jobs deferred by an hour, the worker had taken "
+        f"{eta['held_by_worker']:,} after two minutes ({eta['left_ready_in_broker']:,} still "
+        f"in the queue). Its RSS went from {_f(eta['worker_rss_mb_before'])} MB to "
+        f"{_f(eta['worker_rss_mb_after'])} MB: **{_f(eta['kb_per_held_job'])} KB per job it "
+        "holds** (deferred's worker stays flat, see section 5). Celery published them at "
+        f"{_f(eta['publish_per_s'], 0)}/s.",
         "",
     ]
     timeout = celery.get("consumer_timeout")
@@ -301,7 +303,8 @@ def _alternatives(r: dict[str, Any]) -> list[str]:
             f"With RabbitMQ's `consumer_timeout` lowered to {timeout['broker_consumer_timeout_ms']}"
             f" ms (30 min by default) and {timeout['jobs']} jobs of countdown "
             f"{_f(timeout['countdown_s'], 0)} s, the channel was closed by the timeout: {closed}. "
-            f"The jobs ran {timeout['runs']} times. Any ETA longer than the timeout meets this.",
+            f"The {timeout['jobs']} jobs ran {timeout['runs']} times. RabbitMQ checks the "
+            "timeout about once a minute; any ETA longer than the timeout meets this.",
             "",
         ]
     lines += [

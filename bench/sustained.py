@@ -116,6 +116,7 @@ def run(
                     flush=True,
                 )
                 # Past saturation, higher rates only take longer to say the same.
-                if point["lateness_ms"]["p99"] > 2000 or point["ran"] < point["jobs"]:
+                saturated = point["achieved_per_s"] < 0.9 * rate
+                if saturated or point["lateness_ms"]["p99"] > 2000 or point["ran"] < point["jobs"]:
                     break
     return points

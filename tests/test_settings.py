@@ -19,7 +19,7 @@ def test_defaults():
     s = settings_for()
     assert s.broker_url == "amqp://guest:guest@127.0.0.1:5672/%2F"
     assert s.prefix == "deferred"
-    assert s.radix == 2
+    assert s.radix == 16
     assert s.resolution_ms == 1
     assert s.queue_type == "classic"
     assert s.queues == ("default",)
@@ -71,4 +71,4 @@ def test_settings_are_cached_until_they_change():
     with override_settings(DEFERRED={"RADIX": 4}):
         assert get_settings() is get_settings()
         assert get_settings().radix == 4
-    assert get_settings().radix == 2
+    assert get_settings().radix == 16
