@@ -50,6 +50,12 @@ RECONNECT_FIRST_S = 0.5
 RECONNECT_CAP_S = 30.0
 #: How long to wait before handing back a job whose failure could not be stored.
 REQUEUE_PAUSE_S = 2.0
+#: Log level of the per-job line by outcome; anything else is a failure (ERROR).
+_OUTCOME_LEVELS = {
+    "succeeded": logging.INFO,
+    "rescheduled": logging.INFO,
+    "retrying": logging.WARNING,
+}
 #: On classic ready queues: how many deliveries of this job ended without an ack.
 DELIVERIES_HEADER = "x-deferred-deliveries"
 
@@ -193,13 +199,15 @@ class Worker:
 
     def _execute(self, delivery: Delivery) -> None:
         """In a pool thread: process one message, then ask the I/O thread to settle it."""
+        if delivery.generation != self.consumer.generation:
+            # Its connection is gone, so RabbitMQ has already redelivered it:
+            # running it here too would only make a duplicate.
+            logger.info("Skipping a job delivered on a lost connection; it was redelivered.")
+            with self._lock:
+                self._inflight -= 1
+            return
         ack = False
         try:
-            if delivery.generation != self.consumer.generation:
-                # Its connection is gone, so RabbitMQ has already redelivered
-                # it: running it here too would only make a duplicate.
-                logger.info("Skipping a job delivered on a lost connection; it was redelivered.")
-                return
             self.process(delivery)
             ack = True
         except BrokerError as exc:
@@ -394,11 +402,8 @@ class Worker:
     def _log(
         job: Job, lateness_ms: float, outcome: str, duration_ms: float, extra: str = ""
     ) -> None:
-        level = {"succeeded": logging.INFO, "rescheduled": logging.INFO}.get(outcome, logging.ERROR)
-        if outcome == "retrying":
-            level = logging.WARNING
         logger.log(
-            level,
+            _OUTCOME_LEVELS.get(outcome, logging.ERROR),
             "job=%s task=%s attempt=%d lateness_ms=%.1f outcome=%s duration_ms=%.1f%s",
             job.id,
             job.task,
