@@ -188,18 +188,23 @@ def test_prefetch_caps_unacked_jobs_at_the_concurrency_across_queues(clean, run_
 
 def test_pending_jobs_survive_a_broker_restart(clean, run_worker, records):
     # stop_app/start_app: the broker goes away with jobs waiting in delay queues.
+    # The delay leaves room for rabbitmqctl itself, which takes seconds to start
+    # an Erlang VM on a loaded machine: the jobs must still be waiting when the
+    # broker goes down, or the test proves nothing.
+    delay = 6.0
     worker = run_worker()
     generation = worker.consumer.generation
     start = time.time()
     for n in range(5):
-        defer(record, 1.5 + n * 0.1, records, str(n))
+        defer(record, delay + n * 0.1, records, str(n))
     rabbitmqctl("stop_app")
+    assert read_records(records) == [], "jobs ran before the broker stopped"
     rabbitmqctl("start_app")
     rabbitmqctl("await_startup")
     assert wait_for(lambda: len(read_records(records)) == 5, 90), read_records(records)
     at = {r["label"]: r["at"] for r in read_records(records)}
-    assert all(at[str(n)] >= start + 1.5 + n * 0.1 for n in range(5)), "ran early"
-    assert worker.consumer.generation > generation
+    assert all(at[str(n)] >= start + delay + n * 0.1 for n in range(5)), "ran early"
+    assert wait_for(lambda: worker.consumer.generation > generation, 60)
 
 
 def test_worker_recovers_when_its_ready_queue_is_deleted_and_declared_again(
