@@ -13,11 +13,15 @@ say what to do, so nothing outside this module needs to know pika.
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterator
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import lru_cache, partial
@@ -58,7 +62,11 @@ class PublishRefused(BrokerError):
 
 _CONNECTION_ERRORS = (px.AMQPConnectionError, px.ChannelWrongStateError, ConnectionError, OSError)
 
-_NOT_DECLARED_HINT = "Run `python manage.py declare_delay_topology` (once per deploy) to create it."
+_NOT_DECLARED_HINT = (
+    "Run `python manage.py declare_delay_topology` (once per deploy) to create it; with "
+    "DEFERRED['DECLARE'] = False, create it with the definitions or Terraform that "
+    "`declare_delay_topology --format definitions|terraform` prints."
+)
 
 
 #: How long a publish may wait while RabbitMQ blocks publishers (memory or disk
@@ -82,6 +90,11 @@ def _safe_url(url: str) -> str:
     """The URL without its password, for messages and logs."""
     params = pika.URLParameters(url)
     return f"{params.host}:{params.port}{params.virtual_host and '/' + params.virtual_host}"
+
+
+def vhost_of(url: str) -> str:
+    """The virtual host ``url`` connects to, read exactly as pika reads it (no I/O)."""
+    return str(pika.URLParameters(url).virtual_host)
 
 
 # --------------------------------------------------------------------------- publishing
@@ -156,7 +169,7 @@ class Publisher:
                     f"RabbitMQ refused the message for exchange {exchange!r} (negative confirm)."
                 ) from None
 
-        self._reconnecting_once(send)
+        self._reconnecting_once(send, exchange)
 
     def publish_many(self, messages: list[Outgoing]) -> None:
         """Publish persistent messages in one AMQP transaction: one round trip for all.
@@ -166,21 +179,23 @@ class Publisher:
         is just as durable. ``mandatory`` still applies: RabbitMQ returns an
         unroutable message before it answers the commit.
         """
-        returned: list[str] = []
-
-        def on_return(channel: Any, method: Any, properties: Any, body: bytes) -> None:
-            returned.append(properties.message_id or "?")
 
         def send() -> None:
-            returned.clear()
             self._channel()  # (re)connects if needed
             local = self._local
             tx: BlockingChannel | None = getattr(local, "tx_channel", None)
             if tx is None or not tx.is_open:
                 tx = local.connection.channel()
                 tx.tx_select()
-                tx.add_on_return_callback(on_return)
-                local.tx_channel = tx
+                # Registered once per channel, so it collects into a list kept
+                # beside the channel, not into this call's.
+                returns: list[str] = []
+                tx.add_on_return_callback(
+                    lambda _ch, _method, props, _body: returns.append(props.message_id or "?")
+                )
+                local.tx_channel, local.tx_returned = tx, returns
+            returned: list[str] = local.tx_returned
+            returned.clear()
             # The channel's own basic_publish flushes the socket after every
             # message; inside a transaction nothing is answered before the
             # commit, so hand the frames to pika's underlying channel and let
@@ -203,9 +218,9 @@ class Publisher:
                     f"queue is missing. {_NOT_DECLARED_HINT}"
                 )
 
-        self._reconnecting_once(send)
+        self._reconnecting_once(send, ", ".join(sorted({m.exchange for m in messages})))
 
-    def _reconnecting_once(self, send: Callable[[], None]) -> None:
+    def _reconnecting_once(self, send: Callable[[], None], exchange: str) -> None:
         """Run ``send``; on a lost connection reconnect once and run it again."""
         for attempt in (1, 2):
             try:
@@ -215,7 +230,8 @@ class Publisher:
                 self._forget()
                 if exc.reply_code == NOT_FOUND:
                     raise TopologyNotDeclared(
-                        f"RabbitMQ says: {exc.reply_text}. {_NOT_DECLARED_HINT}"
+                        f"Exchange {exchange or '(default)'!r} does not exist (RabbitMQ: "
+                        f"{exc.reply_text}). {_NOT_DECLARED_HINT}"
                     ) from exc
                 raise BrokerError(f"RabbitMQ closed the channel: {exc.reply_text}") from exc
             except BrokerUnavailable:
@@ -267,6 +283,15 @@ class Taken:
     body: bytes
     headers: dict[str, Any]
     message_id: str | None
+
+
+@dataclass(frozen=True)
+class QueueStats:
+    """A queue's figures as a passive ``queue_declare`` returns them."""
+
+    #: Messages ready for delivery (not those delivered and still unacked).
+    messages: int
+    consumers: int
 
 
 @dataclass
@@ -329,6 +354,15 @@ class Admin:
 
     def message_count(self, name: str) -> int | None:
         """Messages ready in queue ``name``, or ``None`` if it does not exist."""
+        stats = self.queue_stats(name)
+        return None if stats is None else stats.messages
+
+    def queue_stats(self, name: str) -> QueueStats | None:
+        """What a passive declare tells about queue ``name``; ``None`` if it does not exist.
+
+        This is all AMQP reports: messages being handled by a consumer
+        (delivered, not yet acked) are in neither figure.
+        """
         try:
             frame = self.channel.queue_declare(name, passive=True)
         except px.ChannelClosedByBroker as exc:
@@ -336,7 +370,7 @@ class Admin:
             if exc.reply_code == NOT_FOUND:
                 return None
             raise BrokerError(f"Cannot inspect queue {name!r}: {exc.reply_text}") from exc
-        return int(frame.method.message_count)
+        return QueueStats(int(frame.method.message_count), int(frame.method.consumer_count))
 
     def exchange_exists(self, name: str) -> bool:
         try:
@@ -347,6 +381,18 @@ class Admin:
                 return False
             raise BrokerError(f"Cannot inspect exchange {name!r}: {exc.reply_text}") from exc
         return True
+
+    def missing(self, plan: Plan) -> list[str]:
+        """What of ``plan`` is not on the broker (``"exchange NAME"``, ``"queue NAME"``).
+
+        Passive declares only: nothing is created. Bindings cannot be
+        inspected over AMQP and are not checked.
+        """
+        absent = [
+            f"exchange {e.name}" for e in plan.all_exchanges if not self.exchange_exists(e.name)
+        ]
+        absent += [f"queue {q.name}" for q in plan.all_queues if not self.queue_exists(q.name)]
+        return absent
 
     def declare_queue(self, queue: Queue) -> None:
         try:
@@ -369,11 +415,11 @@ class Admin:
         report = DeclareReport()
         # Shared queues first: a conflict there is the likeliest, and should
         # stop us before anything of the new topology exists.
-        for queue in (*plan.shared_queues, *plan.delay_queues):
+        for queue in plan.all_queues:
             exists = self.queue_exists(queue.name)
             self.declare_queue(queue)
             (report.existing if exists else report.created).append(f"queue {queue.name}")
-        for exchange in (plan.failed_exchange, *plan.exchanges):
+        for exchange in plan.all_exchanges:
             exists = self.exchange_exists(exchange.name)
             try:
                 self.channel.exchange_declare(
@@ -390,12 +436,21 @@ class Admin:
                     "declare_delay_topology again."
                 ) from exc
             (report.existing if exists else report.created).append(f"exchange {exchange.name}")
-        for binding in (*plan.shared_bindings, *plan.bindings):
+        for binding in plan.all_bindings:
             if binding.destination_type == "exchange":
                 self.channel.exchange_bind(binding.destination, binding.source, binding.routing_key)
             else:
                 self.channel.queue_bind(binding.destination, binding.source, binding.routing_key)
             report.bindings += 1
+        self.record(plan)
+        return report
+
+    def record(self, plan: Plan) -> None:
+        """Note ``plan`` in the registry queue (once), so it is listed while jobs drain from it.
+
+        Writing a message declares nothing: with ``DECLARE`` off the registry
+        queue comes from the infrastructure like the rest.
+        """
         if plan.topology_id not in {r["topology"] for r in self.topology_records(plan)}:
             self.channel.basic_publish(
                 "",
@@ -403,7 +458,6 @@ class Admin:
                 plan.record().encode(),
                 pika.BasicProperties(delivery_mode=PERSISTENT, content_type="application/json"),
             )
-        return report
 
     @contextmanager
     def take_all(self, queue: str) -> Iterator[tuple[BlockingChannel, list[Taken]]]:
@@ -497,10 +551,106 @@ class Admin:
 
     def delete_everything(self, plan: Plan) -> None:
         """Delete the topology and its shared queues, messages included (tests only)."""
-        for queue in (*plan.delay_queues, *plan.shared_queues):
+        for queue in plan.all_queues:
             self.channel.queue_delete(queue.name)
-        for exchange in (*plan.exchanges, plan.failed_exchange):
+        for exchange in plan.all_exchanges:
             self.channel.exchange_delete(exchange.name)
+
+
+def not_declared(plan: Plan, missing: list[str], url: str) -> TopologyNotDeclared:
+    """The error for a topology that ``DEFERRED['DECLARE'] = False`` forbids us to create."""
+    shown = ", ".join(missing[:10]) + (
+        f" and {len(missing) - 10} more" if len(missing) > 10 else ""
+    )
+    return TopologyNotDeclared(
+        f"DEFERRED['DECLARE'] is False, so deferred declares nothing itself, and RabbitMQ at "
+        f"{_safe_url(url)} lacks {len(missing)} part(s) of topology {plan.topology_id}: "
+        f"{shown}. The infrastructure must create them: apply what `python manage.py "
+        "declare_delay_topology --format definitions` (for `rabbitmqctl import_definitions`) "
+        "or `--format terraform` prints, then run `declare_delay_topology --check`."
+    )
+
+
+def verify_topology(url: str, plan: Plan) -> None:
+    """Check passively that every exchange and queue of ``plan`` exists.
+
+    ``TopologyNotDeclared`` names what is missing; ``BrokerUnavailable`` if
+    the broker cannot be asked. Bindings cannot be inspected over AMQP: a
+    missing one shows up as an unroutable publish (``mandatory``) or a job in
+    the failed queue (alternate exchange), never as a lost job.
+    """
+    with admin_channel(url) as admin:
+        missing = admin.missing(plan)
+    if missing:
+        raise not_declared(plan, missing, url)
+
+
+# --------------------------------------------------------------------------- management API
+
+#: The management API is optional: a status never waits long for it.
+MANAGEMENT_TIMEOUT_S = 1.0
+
+
+class _RefuseRedirects(urllib.request.HTTPRedirectHandler):
+    """A redirect would carry the broker credentials elsewhere: treat it as a failure."""
+
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+_NO_REDIRECTS = urllib.request.build_opener(_RefuseRedirects)
+
+
+def unacked_counts(
+    broker_url: str,
+    queues: Sequence[str],
+    *,
+    api_url: str | None,
+    timeout: float = MANAGEMENT_TIMEOUT_S,
+) -> dict[str, int] | None:
+    """Unacked messages per queue, from the management plugin's HTTP API.
+
+    AMQP cannot tell how many messages are delivered and not yet acked; the
+    management API can. It is optional, so any failure (plugin not enabled,
+    port closed, refused credentials) gives ``None`` after at most one
+    ``timeout`` per queue, and the caller reports the figure as unknown. The
+    credentials are the URL's own, else the broker URL's.
+    """
+    if api_url is None:
+        return None
+    params = pika.URLParameters(broker_url)
+    api = urllib.parse.urlsplit(api_url)
+    if api.username is not None:
+        user = urllib.parse.unquote(api.username)
+        password = urllib.parse.unquote(api.password or "")
+    else:
+        user, password = params.credentials.username, params.credentials.password
+    host = api.hostname or ""
+    netloc = f"[{host}]" if ":" in host else host
+    if api.port:
+        netloc += f":{api.port}"
+    base = urllib.parse.urlunsplit((api.scheme, netloc, api.path.rstrip("/"), "", ""))
+    token = base64.b64encode(f"{user}:{password}".encode()).decode()
+    vhost = urllib.parse.quote(params.virtual_host, safe="")
+    counts: dict[str, int] = {}
+    for queue in queues:
+        request = urllib.request.Request(
+            f"{base}/api/queues/{vhost}/{urllib.parse.quote(queue, safe='')}",
+            headers={"Authorization": f"Basic {token}", "Accept": "application/json"},
+        )
+        try:
+            with _NO_REDIRECTS.open(request, timeout=timeout) as response:
+                data = json.loads(response.read())
+            counts[queue] = int(data.get("messages_unacknowledged", 0))
+        except urllib.error.HTTPError as exc:
+            if exc.code == NOT_FOUND:
+                continue  # the queue does not exist: nothing unacked in it
+            logger.debug("Management API at %s refused: %r", base, exc)
+            return None
+        except (OSError, ValueError, TypeError, AttributeError) as exc:
+            logger.debug("Management API at %s does not answer: %r", base, exc)
+            return None
+    return counts
 
 
 # --------------------------------------------------------------------------- consuming

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import re
+import urllib.parse
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import lru_cache
@@ -44,7 +45,19 @@ DEFAULTS: dict[str, Any] = {
     "ON_COMMIT": True,
     # Deliveries of one job before it counts as a poison job that kills workers.
     "DELIVERY_LIMIT": 5,
+    # False: the broker's exchanges and queues are created by infrastructure
+    # code (definitions, Terraform); the app only checks that they exist.
+    "DECLARE": True,
+    # Where deferred_status and the status page may ask for unacked messages:
+    # None tries the broker's host on the plugin's port (15672, or HTTPS on
+    # 15671 for an amqps:// broker: credentials never go out in clear text
+    # when the broker connection is encrypted), False never asks.
+    "MANAGEMENT_URL": None,
 }
+
+#: The management plugin's default ports, plain and TLS.
+MANAGEMENT_PORT = 15672
+MANAGEMENT_TLS_PORT = 15671
 
 QUEUE_TYPES = ("classic", "quorum")
 MAX_RADIX = 64
@@ -81,6 +94,10 @@ class DeferredSettings:
     retry_backoff: Backoff
     on_commit: bool
     delivery_limit: int
+    #: Whether the app may create the topology; if not, it only checks it.
+    declare: bool
+    #: The management API's base URL, or ``None`` when it is not to be asked.
+    management_url: str | None
 
     @property
     def default_queue(self) -> str:
@@ -186,6 +203,9 @@ def _build(raw: Any) -> DeferredSettings:
         raise ImproperlyConfigured(
             f"DEFERRED['ON_COMMIT'] must be True or False, got {on_commit!r}."
         )
+    declare = values["DECLARE"]
+    if not isinstance(declare, bool):
+        raise ImproperlyConfigured(f"DEFERRED['DECLARE'] must be True or False, got {declare!r}.")
     delivery_limit = values["DELIVERY_LIMIT"]
     if (
         isinstance(delivery_limit, bool)
@@ -194,6 +214,27 @@ def _build(raw: Any) -> DeferredSettings:
     ):
         raise ImproperlyConfigured(
             f"DEFERRED['DELIVERY_LIMIT'] must be a positive integer, got {delivery_limit!r}."
+        )
+
+    management_url = values["MANAGEMENT_URL"]
+    if management_url is None:
+        broker = urllib.parse.urlsplit(broker_url)
+        host = broker.hostname or "localhost"
+        scheme, port = (
+            ("https", MANAGEMENT_TLS_PORT)
+            if broker.scheme == "amqps"
+            else ("http", MANAGEMENT_PORT)
+        )
+        management_url = f"{scheme}://{f'[{host}]' if ':' in host else host}:{port}/"
+    elif management_url is False:
+        management_url = None
+    elif not isinstance(management_url, str) or not management_url.startswith(
+        ("http://", "https://")
+    ):
+        raise ImproperlyConfigured(
+            "DEFERRED['MANAGEMENT_URL'] must be an http:// or https:// URL, None (try the "
+            f"broker's host on port {MANAGEMENT_PORT}) or False (never ask); "
+            f"got {management_url!r}."
         )
 
     result = DeferredSettings(
@@ -208,6 +249,8 @@ def _build(raw: Any) -> DeferredSettings:
         retry_backoff=retry_backoff,
         on_commit=on_commit,
         delivery_limit=delivery_limit,
+        declare=declare,
+        management_url=management_url,
     )
     # The plan enforces the limits that depend on several values at once
     # (routing-key length); building it here makes them configuration errors.

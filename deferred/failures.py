@@ -24,20 +24,20 @@ from typing import Any
 from deferred import broker
 from deferred.conf import DeferredSettings
 from deferred.delays import delay_ms
+from deferred.jobs import INVALID as INVALID
+from deferred.jobs import UNDECODABLE as UNDECODABLE
 from deferred.jobs import BrokenMessage, Job, new_job_id, utcnow
 from deferred.publishing import publish
+from deferred.retries import RETRIES_EXHAUSTED as RETRIES_EXHAUSTED
+from deferred.retries import TASK_ERROR as TASK_ERROR
 from deferred.topology import plan_topology
 
-#: The task raised and is not retried (no retries configured, or a permanent error).
-TASK_ERROR = "task_error"
-#: The task raised on its last allowed attempt.
-RETRIES_EXHAUSTED = "retries_exhausted"
+# Why a job is in the failed queue: TASK_ERROR and RETRIES_EXHAUSTED (decided by
+# the retry policy), UNDECODABLE and INVALID (by the job format), imported above
+# from where they are decided, and these:
+
 #: No task is registered under the job's name in this worker.
 UNKNOWN_TASK = "unknown_task"
-#: The body is not JSON at all.
-UNDECODABLE = "undecodable"
-#: JSON, but not a job of a format this version knows.
-INVALID = "invalid"
 #: Delivered too many times without being acked: it keeps killing workers.
 DELIVERY_LIMIT = "delivery_limit"
 #: A delayed job found no route after its first hop (e.g. an undeclared queue).
@@ -151,7 +151,7 @@ def parse_failed(body: bytes, headers: dict[str, Any], message_id: str | None) -
     if isinstance(data, dict) and "reason" in data and "job" in data:
         return _from_record(data)
     try:
-        job = Job.decode(body)
+        job = Job.from_dict(data) if isinstance(data, dict) else Job.decode(body)
     except BrokenMessage as exc:
         return FailedJob(
             id=message_id or "",
@@ -187,7 +187,7 @@ def _from_record(data: dict[str, Any]) -> FailedJob:
     job = None
     if isinstance(data.get("job"), dict):
         try:
-            job = Job.decode(json.dumps(data["job"]).encode())
+            job = Job.from_dict(data["job"])
         except BrokenMessage:
             job = None
     error = data.get("error")
@@ -274,8 +274,9 @@ def redrive(settings: DeferredSettings, ids: list[str] | None, delay_s: float = 
     Each one is published (and confirmed) before its failed entry is acked.
     """
 
-    # A bad delay is refused before any entry is touched.
-    delay_ms(
+    # A bad delay is refused before any entry is touched. A number of
+    # seconds gives the same wait whenever it is asked, so once is enough.
+    wait_ms = delay_ms(
         delay_s,
         now=utcnow(),
         resolution_ms=settings.resolution_ms,
@@ -288,14 +289,12 @@ def redrive(settings: DeferredSettings, ids: list[str] | None, delay_s: float = 
         if entry.job.queue not in settings.queues:
             return f"its queue {entry.job.queue!r} is not in DEFERRED['QUEUES']"
         now = utcnow()
-        wait_ms = delay_ms(
-            delay_s,
-            now=now,
-            resolution_ms=settings.resolution_ms,
-            max_delay_ms=settings.max_delay_ms,
-        )
         job = replace(
-            entry.job, attempt=1, due=now + timedelta(milliseconds=wait_ms), first_due_at=None
+            entry.job,
+            attempt=1,
+            due=now + timedelta(milliseconds=wait_ms),
+            first_due_at=None,
+            workers=(),
         )
         publish(job, wait_ms, settings=settings)
         return None

@@ -15,6 +15,11 @@ from typing import Any
 
 FORMAT_VERSION = 1
 
+#: Failure reasons (``BrokenMessage.reason``): the body is not a JSON object at all,
+UNDECODABLE = "undecodable"
+#: or it is JSON, but not a job of a format this version knows.
+INVALID = "invalid"
+
 
 class BrokenMessage(ValueError):
     """A message body that is not a job this version can run.
@@ -23,7 +28,7 @@ class BrokenMessage(ValueError):
     (JSON, but not a job of a format this version knows).
     """
 
-    def __init__(self, message: str, reason: str = "invalid") -> None:
+    def __init__(self, message: str, reason: str = INVALID) -> None:
         super().__init__(message)
         self.reason = reason
 
@@ -50,13 +55,19 @@ class Job:
     created: datetime = field(default_factory=utcnow)
     #: When the first attempt was due (retries move ``due``); ``None``: ``due``.
     first_due_at: datetime | None = None
+    #: The ``TASKS`` alias of the django.tasks backend that enqueued it; ``None``
+    #: for a ``@deferred.task`` (``task`` is then a registered name, else a
+    #: django.tasks module path).
+    backend: str | None = None
+    #: The workers that ran the earlier attempts (django.tasks counts attempts by them).
+    workers: tuple[str, ...] = ()
 
     @property
     def first_due(self) -> datetime:
         return self.first_due_at or self.due
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        data: dict[str, Any] = {
             "version": FORMAT_VERSION,
             "id": self.id,
             "task": self.task,
@@ -68,6 +79,12 @@ class Job:
             "created": self.created.isoformat(),
             "first_due": self.first_due.isoformat(),
         }
+        # Optional fields only when set: a plain job's body stays as it was.
+        if self.backend is not None:
+            data["backend"] = self.backend
+        if self.workers:
+            data["workers"] = list(self.workers)
+        return data
 
     def encode(self) -> bytes:
         """The message body. ``TypeError`` if the arguments are not plain JSON."""
@@ -79,8 +96,12 @@ class Job:
                 f"(str, int, float, bool, None, list, dict with str keys): {exc}"
             ) from exc
 
-    def next_attempt(self, due: datetime) -> Job:
-        return replace(self, attempt=self.attempt + 1, due=due, first_due_at=self.first_due)
+    def next_attempt(self, due: datetime, worker: str | None = None) -> Job:
+        """The job's next attempt, due at ``due``; ``worker`` ran this one."""
+        workers = (*self.workers, worker) if worker else self.workers
+        return replace(
+            self, attempt=self.attempt + 1, due=due, first_due_at=self.first_due, workers=workers
+        )
 
     @classmethod
     def decode(cls, body: bytes) -> Job:
@@ -88,9 +109,14 @@ class Job:
         try:
             data = json.loads(body)
         except (UnicodeDecodeError, ValueError) as exc:
-            raise BrokenMessage(f"the body is not JSON: {exc}", "undecodable") from exc
+            raise BrokenMessage(f"the body is not JSON: {exc}", UNDECODABLE) from exc
         if not isinstance(data, dict):
-            raise BrokenMessage("the body is not a JSON object", "undecodable")
+            raise BrokenMessage("the body is not a JSON object", UNDECODABLE)
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Job:
+        """A job from its decoded JSON object; ``BrokenMessage`` says what is wrong with it."""
         version = data.get("version")
         if version != FORMAT_VERSION:
             raise BrokenMessage(f"unsupported format version {version!r}")
@@ -105,7 +131,11 @@ class Job:
                 attempt=_typed(data, "attempt", int),
                 created=_moment(data, "created"),
                 first_due_at=_moment(data, "first_due") if "first_due" in data else None,
+                backend=_typed(data, "backend", str) if "backend" in data else None,
+                workers=tuple(_typed(data, "workers", list)) if "workers" in data else (),
             )
+            if not all(isinstance(w, str) for w in job.workers):
+                raise BrokenMessage(f"field 'workers' must be a list of str, got {job.workers!r}")
             if job.first_due_at == job.due:
                 job = replace(job, first_due_at=None)
         except KeyError as exc:

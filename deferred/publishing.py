@@ -9,14 +9,15 @@ points at rows that do not exist.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from functools import partial
 from typing import Any
 
-from django.db import DEFAULT_DB_ALIAS, connections, transaction
+from django.db import connections, transaction
 
 from deferred import broker
 from deferred.conf import DeferredSettings, get_settings
@@ -31,6 +32,12 @@ logger = logging.getLogger("deferred.publishing")
 #: receives each job instead of the broker.
 interceptors: list[Callable[[Job, int], None]] = []
 interceptors_lock = threading.Lock()
+
+#: With ``DECLARE`` off, the (process, settings) whose topology was found
+#: complete: checked before the first publish of each process, not every job.
+#: The process id is part of the key, so a forked child checks for itself.
+_verified: set[tuple[int, DeferredSettings]] = set()
+_verified_lock = threading.Lock()
 
 
 def defer(
@@ -82,6 +89,29 @@ def defer_many(calls: Iterable[Sequence[Any]]) -> list[str]:
     return [p.job.id for p in prepared]
 
 
+def submit(
+    job: Job,
+    wait_ms: int,
+    *,
+    on_commit: bool | None = None,
+    settings: DeferredSettings | None = None,
+    on_published: Callable[[], None] | None = None,
+    body: bytes | None = None,
+) -> None:
+    """Publish a job built elsewhere (by the django.tasks backend) under ``defer()``'s rules.
+
+    The caller has validated the job; this encodes it (``TypeError`` for
+    arguments JSON cannot carry) and publishes it now, after the commit of the
+    surrounding transactions, or into a test mode, exactly as ``defer()`` would.
+    ``on_published`` runs once it is, never for a rolled-back transaction.
+    ``body`` is ``job.encode()`` when the caller has it already.
+    """
+    settings = settings or get_settings()
+    body = job.encode() if body is None else body
+    commit = settings.on_commit if on_commit is None else on_commit
+    _dispatch([_Prepared(job, wait_ms, body, commit)], settings, on_published)
+
+
 @dataclass(frozen=True)
 class _Prepared:
     job: Job
@@ -124,18 +154,30 @@ def _prepare(
     return _Prepared(job, wait_ms, body, settings.on_commit if on_commit is None else on_commit)
 
 
-def _dispatch(prepared: list[_Prepared], settings: DeferredSettings) -> None:
-    """Hand prepared jobs to a test mode, publish them now, or after the commit."""
+def _dispatch(
+    prepared: list[_Prepared],
+    settings: DeferredSettings,
+    on_published: Callable[[], None] | None = None,
+) -> None:
+    """Hand prepared jobs to a test mode, publish them now, or after the commit.
+
+    ``on_published`` runs once all of them are published (or handed to a test
+    mode); never if a transaction rolls back or the publish fails.
+    """
     if interceptors:
         for p in prepared:
             interceptors[-1](p.job, p.wait_ms)
+        if on_published:
+            on_published()
         return
     aliases = _atomic_aliases() if any(p.on_commit for p in prepared) else []
     immediate = [p for p in prepared if not (aliases and p.on_commit)]
-    later = [p.job for p in prepared if aliases and p.on_commit]
+    later = [p for p in prepared if aliases and p.on_commit]
     if immediate:
         _publish_prepared(immediate, settings)
     if not later:
+        if on_published:
+            on_published()
         return
     # Published once every open transaction has committed; if any rolls back,
     # its callback is discarded and the jobs are never published.
@@ -146,11 +188,33 @@ def _dispatch(prepared: list[_Prepared], settings: DeferredSettings) -> None:
         with lock:
             waiting.discard(alias)
             last = not waiting
-        if last:
-            _publish_after_commit(later, settings)
+        if last and _publish_after_commit(later, settings) and on_published:
+            on_published()
 
     for alias in aliases:
         transaction.on_commit(partial(committed, alias), using=alias)
+
+
+def _check_topology(settings: DeferredSettings) -> None:
+    """With ``DECLARE`` off, make sure the infrastructure created the topology.
+
+    Without this, a missing delay queue would only show up as jobs in the
+    failed queue (or an unroutable publish): better a clear error naming it
+    before the first job is published.
+    """
+    if settings.declare:
+        return
+    key = (os.getpid(), settings)
+    if key in _verified:
+        return
+    broker.verify_topology(settings.broker_url, plan_topology(settings))
+    note_verified(settings)
+
+
+def note_verified(settings: DeferredSettings) -> None:
+    """Someone in this process (the worker, at connect) found the topology complete."""
+    with _verified_lock:
+        _verified.add((os.getpid(), settings))
 
 
 def _publish_prepared(prepared: list[_Prepared], settings: DeferredSettings) -> None:
@@ -158,6 +222,7 @@ def _publish_prepared(prepared: list[_Prepared], settings: DeferredSettings) -> 
         p = prepared[0]
         publish(p.job, p.wait_ms, settings=settings, body=p.body)
         return
+    _check_topology(settings)
     plan = plan_topology(settings)
     broker.publisher(settings.broker_url).publish_many(
         [
@@ -171,16 +236,12 @@ def _publish_prepared(prepared: list[_Prepared], settings: DeferredSettings) -> 
 
 def _atomic_aliases() -> list[str]:
     """The database aliases with a transaction open here."""
-    aliases = []
-    if transaction.get_connection(DEFAULT_DB_ALIAS).in_atomic_block:
-        aliases.append(DEFAULT_DB_ALIAS)
-    for connection in connections.all(initialized_only=True):
-        if connection.alias != DEFAULT_DB_ALIAS and connection.in_atomic_block:
-            aliases.append(str(connection.alias))
-    return aliases
+    # A connection in an atomic block has been used in this thread, so it is
+    # among the initialized ones.
+    return [str(c.alias) for c in connections.all(initialized_only=True) if c.in_atomic_block]
 
 
-def _publish_after_commit(jobs: list[Job], settings: DeferredSettings) -> None:
+def _publish_after_commit(prepared: list[_Prepared], settings: DeferredSettings) -> bool:
     """Publish once the transaction committed, waiting only for what is left of each delay.
 
     The commit has happened, so raising would only turn the caller's
@@ -189,26 +250,31 @@ def _publish_after_commit(jobs: list[Job], settings: DeferredSettings) -> None:
     """
     try:
         now = utcnow()
-        prepared = []
-        for job in jobs:
-            wait_ms = delay_ms(
-                job.due,
-                now=now,
-                resolution_ms=settings.resolution_ms,
-                max_delay_ms=settings.max_delay_ms,
+        due_now = [
+            replace(
+                p,
+                wait_ms=delay_ms(
+                    p.job.due,
+                    now=now,
+                    resolution_ms=settings.resolution_ms,
+                    max_delay_ms=settings.max_delay_ms,
+                ),
             )
-            prepared.append(_Prepared(job, wait_ms, job.encode(), True))
-        _publish_prepared(prepared, settings)
+            for p in prepared
+        ]
+        _publish_prepared(due_now, settings)
+        return True
     except Exception:
-        for job in jobs:
+        for p in prepared:
             logger.critical(
                 "Job %s of task %s was NOT published after its transaction committed; "
                 "it will not run unless deferred again. Job: %s",
-                job.id,
-                job.task,
-                job.encode().decode(),
+                p.job.id,
+                p.job.task,
+                p.body.decode(),
                 exc_info=True,
             )
+        return False
 
 
 def _resolve(task: object) -> Task[..., Any]:
@@ -232,6 +298,7 @@ def publish(
     """Publish ``job`` to wait ``wait_ms`` (already validated) in the current topology."""
     settings = settings or get_settings()
     body = job.encode() if body is None else body
+    _check_topology(settings)
     plan = plan_topology(settings)
     broker.publisher(settings.broker_url).publish(
         plan.ingest_exchange,

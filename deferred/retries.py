@@ -117,6 +117,13 @@ def validate_exception_types(name: str, value: Any) -> tuple[type[BaseException]
     return tuple(types)
 
 
+#: Failure reasons the policy decides: the task raised and is not retried (no
+#: retries configured, or a permanent error),
+TASK_ERROR = "task_error"
+#: or it raised on its last allowed attempt.
+RETRIES_EXHAUSTED = "retries_exhausted"
+
+
 @dataclass(frozen=True)
 class Decision:
     """What the worker does with a failure: retry after ``delay``, or fail for ``reason``."""
@@ -138,11 +145,11 @@ class RetryPolicy:
         retries_left = attempt <= self.max_retries
         if isinstance(error, Retry):
             if not retries_left:
-                return Decision(False, reason="retries_exhausted")
+                return Decision(False, reason=RETRIES_EXHAUSTED)
             delay = error.delay if error.delay is not None else self.backoff.seconds(attempt)
             return Decision(True, delay)
         if isinstance(error, self.dont_retry_for) or not isinstance(error, self.retry_for):
-            return Decision(False, reason="task_error")
+            return Decision(False, reason=TASK_ERROR)
         if not retries_left:
-            return Decision(False, reason="retries_exhausted" if self.max_retries else "task_error")
+            return Decision(False, reason=RETRIES_EXHAUSTED if self.max_retries else TASK_ERROR)
         return Decision(True, self.backoff.seconds(attempt))

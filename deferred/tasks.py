@@ -7,6 +7,7 @@ message forged on the broker cannot make the worker run arbitrary code.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
 from collections.abc import Callable
@@ -101,10 +102,9 @@ class Task(Generic[P, R]):
             changes["queue"] = queue
         if on_commit is not None:
             changes["on_commit"] = on_commit
-        copy = dataclasses.replace(self.options, **changes)
-        clone: Task[P, R] = Task.__new__(Task)
-        clone.__dict__.update(self.__dict__)
-        clone.options = copy
+        options = dataclasses.replace(self.options, **changes)
+        clone = copy.copy(self)
+        clone.options = options
         return clone
 
     def retry_policy(self, settings: DeferredSettings) -> RetryPolicy:
@@ -135,14 +135,21 @@ class Task(Generic[P, R]):
         Better at ``defer()`` time, in the caller's traceback, than hours
         later in the worker.
         """
-        try:
-            signature = inspect.signature(self.func)
-        except (TypeError, ValueError):  # builtins without a signature
-            return
-        try:
-            signature.bind(*args, **kwargs)
-        except TypeError as exc:
-            raise TypeError(f"Bad arguments for task {self.name!r}: {exc}") from exc
+        check_call(self.func, self.name, args, kwargs)
+
+
+def check_call(
+    func: Callable[..., Any], name: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
+    """``TypeError`` unless ``func`` could be called with ``args`` and ``kwargs``."""
+    try:
+        signature = inspect.signature(func)
+    except (TypeError, ValueError):  # builtins without a signature
+        return
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as exc:
+        raise TypeError(f"Bad arguments for task {name!r}: {exc}") from exc
 
 
 @overload

@@ -26,13 +26,14 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
 from deferred import publishing
-from deferred.context import running
 from deferred.jobs import Job
-from deferred.tasks import Task, get_task
+from deferred.runnable import resolve
+from deferred.tasks import Task
 
 
 class CapturedJobs(list[Job]):
@@ -67,9 +68,7 @@ class CapturedJobs(list[Job]):
 def run_job(job: Job) -> Any:
     """Run ``job``'s task inline, as the worker would: JSON arguments, ``current_job()`` set."""
     data = json.loads(job.encode())
-    task = get_task(job.task)
-    with running(job):
-        return task.func(*data["args"], **data["kwargs"])
+    return resolve(job).run(replace(job, args=tuple(data["args"]), kwargs=data["kwargs"]), "eager")
 
 
 @contextmanager

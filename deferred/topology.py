@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
@@ -100,6 +101,21 @@ class Plan:
     @property
     def shared_bindings(self) -> tuple[Binding, ...]:
         return (Binding(self.failed_exchange.name, self.failed_queue.name, ""),)
+
+    @property
+    def all_exchanges(self) -> tuple[Exchange, ...]:
+        """Every exchange to declare, the shared failed exchange first."""
+        return (self.failed_exchange, *self.exchanges)
+
+    @property
+    def all_queues(self) -> tuple[Queue, ...]:
+        """Every queue to declare, the shared ones first."""
+        return (*self.shared_queues, *self.delay_queues)
+
+    @property
+    def all_bindings(self) -> tuple[Binding, ...]:
+        """Every binding to declare, the shared one first."""
+        return (*self.shared_bindings, *self.bindings)
 
     def units(self, delay_ms: int) -> int:
         """Whole resolution units for ``delay_ms``, rounded up: never early."""
@@ -178,6 +194,22 @@ def widest_plan(
         queue_type=queue_type,
         queues=queues,
         levels=levels,
+    )
+
+
+def recorded_plan(record: Mapping[str, Any], *, prefix: str, queues: tuple[str, ...]) -> Plan:
+    """The plan of a topology from its registry record (:meth:`Plan.record`).
+
+    It has every queue a topology of that shape may have (:func:`widest_plan`),
+    since the record does not say which MAX_DELAY declared it.
+    """
+    return widest_plan(
+        prefix=prefix,
+        radix=int(record["radix"]),
+        resolution_ms=int(record["resolution_ms"]),
+        levels=int(record["levels"]),
+        queue_type=str(record["queue_type"]),
+        queues=queues,
     )
 
 

@@ -14,7 +14,9 @@ acking and heart-beating, then close and return.
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Iterable
@@ -33,14 +35,15 @@ from deferred.broker import (
     Delivery,
     TopologyNotDeclared,
     publisher,
+    verify_topology,
 )
 from deferred.conf import DeferredSettings, get_settings
-from deferred.context import running
-from deferred.delays import capped_delay_ms, delay_ms
+from deferred.delays import capped_delay_ms
 from deferred.jobs import BrokenMessage, Job, utcnow
-from deferred.publishing import publish
+from deferred.publishing import note_verified, publish
 from deferred.retries import Decision
-from deferred.tasks import UnknownTask, get_task
+from deferred.runnable import resolve
+from deferred.tasks import UnknownTask
 from deferred.topology import plan_topology
 
 logger = logging.getLogger("deferred.worker")
@@ -83,12 +86,15 @@ class Worker:
         if concurrency < 1:
             raise ValueError(f"concurrency must be at least 1, got {concurrency}.")
         self.queues = names
+        #: Names this worker in django.tasks results (``worker_ids``) and in retried jobs.
+        self.worker_id = f"{socket.gethostname()}:{os.getpid()}"
         #: Quorum queues count deliveries themselves (x-delivery-limit).
         self.count_redeliveries = self.settings.queue_type == "classic"
         self.concurrency = concurrency
         self.install_signal_handlers = install_signal_handlers
         self.poll_interval = poll_interval
         plan = plan_topology(self.settings)
+        self.plan = plan
         self.consumer = Consumer(
             self.settings.broker_url,
             [plan.ready_queues[q].name for q in names],
@@ -122,13 +128,24 @@ class Worker:
         self.stop()
 
     def run(self) -> None:
-        """Consume until :meth:`stop` or a signal; reconnect whenever the broker goes away."""
+        """Consume until :meth:`stop` or a signal; reconnect whenever the broker goes away.
+
+        With ``DECLARE`` off, every (re)connection first checks that the whole
+        topology exists, and a missing part raises ``TopologyNotDeclared``
+        instead of a retry: nothing this worker does can create it, and a
+        worker that waits in silence hides a deploy that forgot the
+        infrastructure.
+        """
         previous = self._install_signals()
         self._executor = ThreadPoolExecutor(self.concurrency, thread_name_prefix="deferred-job")
         wait_s = RECONNECT_FIRST_S
         try:
             while not self._stopping.is_set():
                 try:
+                    if not self.settings.declare:
+                        verify_topology(self.settings.broker_url, self.plan)
+                        # Its retries and reschedules need not check again.
+                        note_verified(self.settings)
                     self.consumer.start(self._on_delivery)
                     self.consuming.set()
                     logger.info(
@@ -143,6 +160,9 @@ class Worker:
                     self._drain()
                 except (BrokerUnavailable, TopologyNotDeclared) as exc:
                     self.consuming.clear()
+                    if isinstance(exc, TopologyNotDeclared) and not self.settings.declare:
+                        logger.critical("Worker stopping: %s", exc)
+                        raise
                     if self._stopping.is_set():
                         logger.error("Broker lost while stopping: %s", exc)
                         break
@@ -268,7 +288,7 @@ class Worker:
         if lateness_ms < 0:
             return self._reschedule_early(job, started)
         try:
-            task = get_task(job.task)
+            task = resolve(job)
         except UnknownTask as exc:
             self._fail(job, delivery, failures.UNKNOWN_TASK, exc)
             self._log(job, lateness_ms, "failed", 0.0, "reason=unknown_task")
@@ -278,8 +298,7 @@ class Worker:
         error: BaseException | None = None
         try:
             close_old_connections()
-            with running(job):
-                task.func(*job.args, **job.kwargs)
+            task.run(job, self.worker_id)
         except BaseException as exc:  # noqa: BLE001 - any failure is retried or recorded
             error = exc
         finally:
@@ -331,7 +350,9 @@ class Worker:
             max_delay_ms=self.settings.max_delay_ms,
         )
         publish(
-            job.next_attempt(now + timedelta(milliseconds=wait_ms)), wait_ms, settings=self.settings
+            job.next_attempt(now + timedelta(milliseconds=wait_ms), worker=self.worker_id),
+            wait_ms,
+            settings=self.settings,
         )
         self._log(
             job,
@@ -381,9 +402,8 @@ class Worker:
         goes back to wait for the rest: never early."""
         # At most MAX_DELAY at a time: a job due further out (deferred under a
         # larger MAX_DELAY) simply comes back and waits again.
-        remaining = min(job.due, now + timedelta(milliseconds=self.settings.max_delay_ms))
-        wait_ms = delay_ms(
-            remaining,
+        wait_ms = capped_delay_ms(
+            job.due,
             now=now,
             resolution_ms=self.settings.resolution_ms,
             max_delay_ms=self.settings.max_delay_ms,

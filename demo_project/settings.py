@@ -27,7 +27,9 @@ INSTALLED_APPS = [
     "django.contrib.sessions",
     "django.contrib.messages",
     "django.contrib.staticfiles",
+    # Before the admin: its admin/index.html adds a link to the status page.
     "deferred",
+    "django.contrib.admin",
     "demo_project.reminders",
 ]
 

@@ -4,11 +4,13 @@
 #   scripts/test.sh [pytest arguments]
 #
 # PYTHON picks the interpreter (default python3); DJANGO pins the Django line.
-# Fails, never skips, when RabbitMQ does not answer.
+# Fails, never skips, when RabbitMQ does not answer or Chromium is missing (the
+# status page's browser test); as root on Debian/Ubuntu both are installed first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 scripts/ensure-rabbitmq.sh
+scripts/ensure-chromium.sh
 venv="$(scripts/bootstrap.sh "${PYTHON:-python3}")"
 "$venv/bin/python" -c 'import django, sys; print(f"Python {sys.version.split()[0]}, Django {django.__version__}")'
 

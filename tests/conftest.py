@@ -13,16 +13,19 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pika
 import pytest
+from django.conf import settings
 from django.core.management import call_command
+from django.test import override_settings
 
 from deferred.broker import BrokerUnavailable, admin_channel, connect
 from deferred.conf import get_settings
-from deferred.topology import Plan, plan_topology, widest_plan
+from deferred.topology import Plan, plan_topology, recorded_plan
 from deferred.worker import Worker
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -51,16 +54,7 @@ def broker_url() -> str:
 def _every_plan(admin, plan: Plan) -> list[Plan]:
     plans = [plan]
     for record in admin.topology_records(plan):
-        plans.append(
-            widest_plan(
-                prefix=plan.prefix,
-                radix=record["radix"],
-                resolution_ms=record["resolution_ms"],
-                levels=record["levels"],
-                queue_type=record["queue_type"],
-                queues=tuple(plan.ready_queues),
-            )
-        )
+        plans.append(recorded_plan(record, prefix=plan.prefix, queues=tuple(plan.ready_queues)))
     return plans
 
 
@@ -73,6 +67,25 @@ def topology(broker_url: str) -> Iterator[Plan]:
     with admin_channel(broker_url) as admin:
         for each in _every_plan(admin, plan):
             admin.delete_everything(each)
+
+
+@pytest.fixture
+def own_topology(broker_url: str) -> Iterator[Plan]:
+    """A topology under a PREFIX of the test's own, deleted after the test.
+
+    The session topology may still hold delayed jobs of earlier tests; a test
+    that counts what waits where needs queues nobody else publishes to.
+    """
+    prefix = f"{settings.DEFERRED['PREFIX']}-{uuid.uuid4().hex[:6]}"
+    with override_settings(DEFERRED={**settings.DEFERRED, "PREFIX": prefix}):
+        call_command("declare_delay_topology", verbosity=0)
+        plan = plan_topology(get_settings())
+        try:
+            yield plan
+        finally:
+            with admin_channel(broker_url) as admin:
+                for each in _every_plan(admin, plan):
+                    admin.delete_everything(each)
 
 
 @pytest.fixture

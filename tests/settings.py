@@ -1,4 +1,5 @@
-"""Settings for the test suite: the deferred app, a task app, a throwaway PREFIX.
+"""Settings for the test suite: the deferred app with its status page, a task app, a
+throwaway PREFIX.
 
 The PREFIX is unique per test run (and inherited by the worker subprocesses the
 tests start), so tests never touch the demo's or another run's queues.
@@ -8,16 +9,47 @@ import os
 import tempfile
 import uuid
 
+import django
+
 SECRET_KEY = "tests-only"
 DEBUG = False
 USE_TZ = True
 TIME_ZONE = "UTC"
 INSTALLED_APPS = [
     "django.contrib.contenttypes",
+    "django.contrib.auth",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    # Before the admin, so that its admin/index.html adds the status page link.
     "deferred",
+    "django.contrib.admin",
     "tests.testapp.apps.TestAppConfig",
     "demo_project.reminders",
 ]
+# The status page: the admin's login, sessions and messages.
+ROOT_URLCONF = "tests.urls"
+MIDDLEWARE = [
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+]
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    }
+]
+STATIC_URL = "static/"
 DATABASES = {
     "default": {
         "ENGINE": "django.db.backends.sqlite3",
@@ -42,7 +74,26 @@ DEFERRED = {
     # Worker subprocesses of the poison-job tests run with other values.
     "QUEUE_TYPE": os.environ.get("DEFERRED_TEST_QUEUE_TYPE", "classic"),
     "DELIVERY_LIMIT": int(os.environ.get("DEFERRED_TEST_DELIVERY_LIMIT", "5")),
+    # Worker subprocesses of the infrastructure-as-code tests run with DECLARE off.
+    "DECLARE": os.environ.get("DEFERRED_TEST_DECLARE", "true") == "true",
 }
+
+# The django.tasks backend (Django 6, or Django 5.2 with the django-tasks backport).
+TASKS = {"default": {"BACKEND": "deferred.backends.RabbitMQBackend"}}
+# Worker subprocesses write mail to files the tests read.
+_MAIL_DIR = os.environ.get(
+    "DEFERRED_TEST_MAIL_DIR", os.path.join(tempfile.gettempdir(), "deferred-test-mail")
+)
+if django.VERSION >= (6, 1):
+    MAILERS = {
+        "default": {
+            "BACKEND": "django.core.mail.backends.filebased.EmailBackend",
+            "OPTIONS": {"file_path": _MAIL_DIR},
+        }
+    }
+else:
+    EMAIL_BACKEND = "django.core.mail.backends.filebased.EmailBackend"
+    EMAIL_FILE_PATH = _MAIL_DIR
 
 LOGGING = {
     "version": 1,

@@ -294,3 +294,14 @@ def test_defer_many_raises_when_the_topology_is_missing(broker_url):
     with override_settings(DEFERRED={"BROKER_URL": broker_url, "PREFIX": "deferred-undeclared"}):
         with pytest.raises(TopologyNotDeclared):
             defer_many([(record, 1, ("p", "a")), (record, 1, ("p", "b"))])
+
+
+def test_every_batch_of_publish_many_reports_unroutable_messages(broker_url):
+    # The return callback is registered once per channel: a later batch on the
+    # same thread must still see its own returns.
+    from deferred.broker import Outgoing, publisher
+
+    nowhere = Outgoing("amq.direct", "no-queue-is-bound-to-this", b"{}", "lost")
+    for _ in range(3):
+        with pytest.raises(TopologyNotDeclared, match="could not be routed"):
+            publisher(broker_url).publish_many([nowhere])

@@ -1,6 +1,7 @@
 """The job envelope (pure)."""
 
 import json
+from dataclasses import replace
 from datetime import UTC, datetime
 
 import pytest
@@ -59,3 +60,17 @@ def test_arguments_must_be_json(bad):
 def test_broken_bodies(body):
     with pytest.raises(BrokenMessage):
         Job.decode(body)
+
+
+def test_django_tasks_fields_round_trip_and_stay_out_of_plain_jobs():
+    now = datetime.now(UTC)
+    plain = Job(id="a" * 32, task="t", args=(), kwargs={}, due=now, queue="default")
+    assert "backend" not in plain.to_dict() and "workers" not in plain.to_dict()
+    framework = replace(plain, backend="default").next_attempt(now, worker="host:1")
+    decoded = Job.decode(framework.encode())
+    assert decoded.backend == "default"
+    assert decoded.workers == ("host:1",)
+    assert decoded.attempt == 2
+    broken = framework.to_dict() | {"workers": [1]}
+    with pytest.raises(BrokenMessage, match="workers"):
+        Job.decode(json.dumps(broken).encode())

@@ -23,6 +23,7 @@ def test_defaults():
     assert s.resolution_ms == 1
     assert s.queue_type == "classic"
     assert s.queues == ("default",)
+    assert s.declare is True
     assert s.max_delay_ms >= 366 * 24 * 3600 * 1000  # at least a year
 
 
@@ -52,6 +53,8 @@ def test_durations_as_timedelta_or_seconds():
         {"PREFIX": ""},
         {"PREFIX": "has space"},
         {"BROKER_URL": "http://localhost"},
+        {"DECLARE": "no"},
+        {"DECLARE": 0},
         {"UNKNOWN": 1},
     ],
 )
@@ -72,3 +75,10 @@ def test_settings_are_cached_until_they_change():
         assert get_settings() is get_settings()
         assert get_settings().radix == 4
     assert get_settings().radix == 16
+
+
+def test_declare_off_is_a_setting():
+    assert settings_for(DECLARE=False).declare is False
+    with override_settings(DEFERRED={"DECLARE": None}):
+        errors = [e for e in run_checks() if e.id == "deferred.E001"]
+    assert len(errors) == 1 and "DECLARE" in errors[0].msg

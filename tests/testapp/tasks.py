@@ -86,6 +86,14 @@ def fails_until_file(path: str, label: str, flag: str) -> None:
         raise FileNotFoundError(flag)
 
 
+@task(name="tests.send_invoice")
+def send_invoice(path: str, label: str, flag: str) -> None:
+    """Fails as a down service would until the file ``flag`` exists; records each attempt."""
+    _append(path, label=label, event="attempt", attempt=_attempt())
+    if not os.path.exists(flag):
+        raise ConnectionError("the invoicing service answered 503 Service Unavailable")
+
+
 @task(name="tests.crash")
 def crash(path: str, label: str) -> None:
     """Kills the worker process every time it runs: a poison job."""
@@ -108,3 +116,8 @@ def chain(path: str, n: int) -> None:
         from deferred import defer
 
         defer(chain, 0, path, n - 1)
+
+
+# The django.tasks tasks of the backend's tests: a tasks.py module imports
+# them, as a user's app would, so the worker knows them.
+from tests.testapp import framework_tasks  # noqa: E402, F401

@@ -1,4 +1,4 @@
-"""Declare (or inspect, or retire) the delay topology described by ``DEFERRED``."""
+"""Declare (or inspect, check, export or retire) the delay topology described by ``DEFERRED``."""
 
 from __future__ import annotations
 
@@ -8,21 +8,43 @@ from typing import Any
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from deferred.broker import BrokerError, admin_channel
+from deferred import export
+from deferred.broker import Admin, BrokerError, DeclareReport, admin_channel, vhost_of
 from deferred.conf import get_settings
-from deferred.topology import Plan, plan_topology, widest_plan
+from deferred.topology import Plan, plan_topology, recorded_plan
+
+#: Formats that print the topology as infrastructure code, without the broker.
+IAC_FORMATS = ("definitions", "terraform")
 
 
 class Command(BaseCommand):
     help = (
         "Declare the exchanges, queues and bindings of the delay topology. Idempotent: "
         "run it on every deploy. --list shows older topologies still on the broker and "
-        "--remove-empty deletes the ones no job waits in any more."
+        "--remove-empty deletes the ones no job waits in any more. --format definitions "
+        "or terraform prints the topology as infrastructure code; --check (implied when "
+        "DEFERRED['DECLARE'] is False) only verifies that it exists."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("--dry-run", action="store_true", help="Print the plan; touch nothing.")
-        parser.add_argument("--format", choices=["text", "json"], default="text")
+        parser.add_argument(
+            "--format",
+            choices=["text", "json", *IAC_FORMATS],
+            default="text",
+            help="definitions: JSON for `rabbitmqctl import_definitions`; terraform: a module "
+            "for the cyrilgdn/rabbitmq provider. Both only print.",
+        )
+        parser.add_argument(
+            "--vhost",
+            help="The vhost written into --format definitions/terraform "
+            "(default: the vhost of BROKER_URL).",
+        )
+        parser.add_argument(
+            "--check",
+            action="store_true",
+            help="Declare nothing; fail unless every exchange and queue exists.",
+        )
         parser.add_argument(
             "--list", action="store_true", help="List the topologies declared under PREFIX."
         )
@@ -38,32 +60,47 @@ class Command(BaseCommand):
         except ImproperlyConfigured as exc:
             raise CommandError(str(exc)) from exc
         plan = plan_topology(settings)
-        as_json = options["format"] == "json"
+        fmt = options["format"]
+        as_json = fmt == "json"
+        if options["vhost"] is not None and fmt not in IAC_FORMATS:
+            raise CommandError("--vhost only applies to --format definitions or terraform.")
+        if fmt in IAC_FORMATS:
+            if options["list"] or options["remove_empty"] or options["check"]:
+                raise CommandError(f"--format {fmt} only prints; it takes no other action.")
+            vhost = options["vhost"] or vhost_of(settings.broker_url)
+            if fmt == "definitions":
+                self._emit(export.definitions(plan, vhost=vhost), True)
+            else:
+                self.stdout.write(export.terraform(plan, vhost=vhost), ending="")
+            return
         if options["dry_run"]:
             self._emit(plan.describe() if as_json else _plan_text(plan), as_json)
             return
+        if options["remove_empty"] and not settings.declare:
+            raise CommandError(
+                "DEFERRED['DECLARE'] is False: the infrastructure owns the topology, so "
+                "deferred deletes nothing either. Remove old topologies there once "
+                "--list shows no job waiting in them."
+            )
         try:
             with admin_channel(settings.broker_url) as admin:
                 if options["list"] or options["remove_empty"]:
-                    rows = []
-                    for record in admin.topology_records(plan):
-                        old = _rebuild(plan, record, settings.queues)
-                        pending = admin.pending(old)
-                        row = {
-                            "topology": old.topology_id,
-                            "current": old.topology_id == plan.topology_id,
-                            "pending": pending,
-                            "removed": False,
-                        }
-                        if options["remove_empty"] and not row["current"] and not pending:
-                            admin.remove(old)
-                            row["removed"] = True
-                        rows.append(row)
+                    rows = _list(admin, plan, settings.queues, remove=options["remove_empty"])
                     self._emit(rows if as_json else _rows_text(rows), as_json)
-                    return
-                report = admin.declare(plan)
+                elif options["check"] or not settings.declare:
+                    missing = admin.missing(plan)
+                    self._checked(plan, missing, settings.declare, as_json)
+                    if not settings.declare:
+                        # Complete (else _checked raised): record this version, so
+                        # --list and deferred_status still see it once the settings
+                        # move on to another and jobs drain from this one.
+                        admin.record(plan)
+                else:
+                    self._declared(plan, admin.declare(plan), as_json, options["verbosity"])
         except BrokerError as exc:
             raise CommandError(str(exc)) from exc
+
+    def _declared(self, plan: Plan, report: DeclareReport, as_json: bool, verbosity: int) -> None:
         if as_json:
             self._emit(
                 {**plan.describe(), "changed": report.changed, "created": report.created}, True
@@ -76,7 +113,7 @@ class Command(BaseCommand):
                     f"{report.bindings} bindings."
                 )
             )
-            if options["verbosity"] > 1:
+            if verbosity > 1:
                 self.stdout.write("\n".join(f"  created {name}" for name in report.created))
         else:
             self.stdout.write(
@@ -90,30 +127,72 @@ class Command(BaseCommand):
     def _emit(self, payload: Any, as_json: bool) -> None:
         self.stdout.write(json.dumps(payload, indent=2) if as_json else payload)
 
+    def _checked(self, plan: Plan, missing: list[str], declare: bool, as_json: bool) -> None:
+        """Report a passive check; ``CommandError`` (exit 1) if anything is missing."""
+        total = len(plan.all_exchanges) + len(plan.all_queues)
+        if as_json:
+            self._emit({"topology": plan.topology_id, "missing": missing}, True)
+        why = "" if declare else "DEFERRED['DECLARE'] is False: nothing was declared. "
+        if missing:
+            raise CommandError(
+                f"{why}Topology {plan.topology_id} is incomplete: {len(missing)} of its {total} "
+                "exchanges and queues are missing:\n"
+                + "\n".join(f"  {name}" for name in missing)
+                + "\nCreate them with what `--format definitions` or `--format terraform` prints"
+                + (" (or run this command without --check)." if declare else ".")
+            )
+        if not as_json:
+            self.stdout.write(
+                self.style.SUCCESS(
+                    f"{why}Topology {plan.topology_id} is complete: all {total} exchanges and "
+                    "queues exist (bindings cannot be checked over AMQP)."
+                )
+            )
 
-def _rebuild(current: Plan, record: dict[str, Any], queues: tuple[str, ...]) -> Plan:
-    """The plan of a topology from its registry record, with every queue it may have."""
-    return widest_plan(
-        prefix=current.prefix,
-        radix=int(record["radix"]),
-        resolution_ms=int(record["resolution_ms"]),
-        levels=int(record["levels"]),
-        queue_type=str(record["queue_type"]),
-        queues=queues,
-    )
+
+def _list(
+    admin: Admin, plan: Plan, queues: tuple[str, ...], *, remove: bool
+) -> list[dict[str, Any]]:
+    """One row per topology of the PREFIX; with ``remove``, old empty ones are deleted."""
+    rows = []
+    for record in _records(admin.topology_records(plan), plan):
+        old = recorded_plan(record, prefix=plan.prefix, queues=queues)
+        pending = admin.pending(old)
+        row = {
+            "topology": old.topology_id,
+            "current": old.topology_id == plan.topology_id,
+            "pending": pending,
+            "removed": False,
+        }
+        if remove and not row["current"] and not pending:
+            admin.remove(old)
+            row["removed"] = True
+        rows.append(row)
+    return rows
+
+
+def _records(records: list[dict[str, Any]], current: Plan) -> list[dict[str, Any]]:
+    """The registry's records, plus the current topology if none records it.
+
+    A topology created by infrastructure code (definitions, Terraform) has
+    no record: it is still the one new jobs go to, so it is always listed.
+    """
+    if any(r["topology"] == current.topology_id for r in records):
+        return records
+    return [json.loads(current.record()), *records]
 
 
 def _plan_text(plan: Plan) -> str:
     lines = [
         f"Topology {plan.topology_id}: radix {plan.radix}, resolution {plan.resolution_ms} ms, "
         f"{plan.levels} levels, max delay {plan.max_delay_ms} ms, {plan.queue_type} queues.",
-        f"Exchanges ({len(plan.exchanges) + 1}, durable):",
+        f"Exchanges ({len(plan.all_exchanges)}, durable):",
         *(f"  {e.name}  {e.type}  {e.arguments}" for e in (*plan.exchanges, plan.failed_exchange)),
         f"Delay queues ({len(plan.delay_queues)}, durable):",
         *(f"  {q.name}  ttl={q.ttl_ms} ms  {q.arguments}" for q in plan.delay_queues),
         "Shared queues (durable):",
         *(f"  {q.name}  {q.arguments}" for q in plan.shared_queues),
-        f"Bindings ({len(plan.bindings) + len(plan.shared_bindings)}):",
+        f"Bindings ({len(plan.all_bindings)}):",
         *(
             f"  {b.source} -> {b.destination} ({b.destination_type})  {b.routing_key}"
             for b in (*plan.bindings, *plan.shared_bindings)
@@ -123,8 +202,6 @@ def _plan_text(plan: Plan) -> str:
 
 
 def _rows_text(rows: list[dict[str, Any]]) -> str:
-    if not rows:
-        return "No topology is recorded under this PREFIX yet: run declare_delay_topology."
     out = []
     for row in rows:
         state = "current" if row["current"] else "old"

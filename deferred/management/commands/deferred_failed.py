@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from typing import Any
@@ -13,16 +12,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from deferred import failures
 from deferred.broker import BrokerError
 from deferred.conf import get_settings
-
-
-def _seconds(value: str) -> float:
-    try:
-        number = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a number of seconds") from None
-    if not 0 <= number < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {value}")
-    return number
+from deferred.management.arguments import seconds
 
 
 class Command(BaseCommand):
@@ -38,7 +28,7 @@ class Command(BaseCommand):
         retry = actions.add_parser("retry", help="Defer failed jobs again (a fresh attempt 1).")
         retry.add_argument("ids", nargs="*", metavar="ID")
         retry.add_argument("--all", action="store_true", help="Every failed job.")
-        retry.add_argument("--delay", type=_seconds, default=0.0, help="Seconds from now.")
+        retry.add_argument("--delay", type=seconds(0), default=0.0, help="Seconds from now.")
         purge = actions.add_parser("purge", help="Delete failed jobs for good.")
         purge.add_argument("ids", nargs="*", metavar="ID")
         purge.add_argument("--all", action="store_true", help="Every failed job.")

@@ -10,6 +10,7 @@ from typing import Any
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from deferred.broker import BrokerError
 from deferred.worker import Worker
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
@@ -62,4 +63,10 @@ class Command(BaseCommand):
             worker = Worker(queues=options["queues"], concurrency=options["concurrency"])
         except (ImproperlyConfigured, ValueError) as exc:
             raise CommandError(str(exc)) from exc
-        worker.run()
+        try:
+            worker.run()
+        except BrokerError as exc:
+            # A missing topology with DECLARE off, or the broker refusing the
+            # check (e.g. permissions): configuration errors, not outages,
+            # which the worker rides out by reconnecting.
+            raise CommandError(str(exc)) from exc

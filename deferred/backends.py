@@ -1,0 +1,340 @@
+"""A django.tasks backend, ``deferred.backends.RabbitMQBackend``.
+
+Django 6 ships the ``django.tasks`` API (``@task``, ``.enqueue()``,
+``.using(run_after=...)``) with no production backend; Django 5.2 gets the
+same API from the ``django-tasks`` backport. This backend puts such tasks on
+the same delay topology, on-commit rule and worker as ``defer()``: a task
+enqueued here is a job like any other, so ``run_deferred_worker`` runs both
+kinds from the same queues.
+
+What it does not do, it says through the capability flags rather than by
+ignoring an argument: there is no result store (``supports_get_result`` is
+false, the app has no models), and no priorities (RabbitMQ queues here are
+FIFO per delay), so a task with a priority is refused with the framework's
+own ``InvalidTask``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import traceback
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from functools import partial
+from typing import Any
+
+from django.core import checks
+from django.core.exceptions import ImproperlyConfigured
+from django.utils import timezone
+
+from deferred.conf import DeferredSettings, get_settings
+from deferred.context import running
+from deferred.delays import delay_ms
+from deferred.jobs import Job, new_job_id, utcnow
+from deferred.publishing import submit
+from deferred.retries import (
+    Backoff,
+    RetryPolicy,
+    parse_backoff,
+    validate_max_retries,
+)
+from deferred.tasks import UnknownTask, check_call
+
+
+def _framework_package() -> str:
+    """``django.tasks`` (Django 6), else the ``django_tasks`` backport (Django 5.2)."""
+    for package in ("django.tasks", "django_tasks"):
+        try:
+            importlib.import_module(package)
+        except ImportError:
+            continue
+        return package
+    raise ImproperlyConfigured(
+        "deferred.backends.RabbitMQBackend needs django.tasks (Django 6) or, on "
+        "Django 5.2, the backport: pip install django-tasks."
+    )
+
+
+_package = _framework_package()
+_api = importlib.import_module(_package)
+_base = importlib.import_module(f"{_package}.base")
+_exceptions = importlib.import_module(f"{_package}.exceptions")
+_signals = importlib.import_module(f"{_package}.signals")
+BaseTaskBackend: Any = importlib.import_module(f"{_package}.backends.base").BaseTaskBackend
+# The backport names its exceptions with an "Error" suffix.
+InvalidTask = getattr(_exceptions, "InvalidTask", None) or _exceptions.InvalidTaskError
+InvalidTaskBackend = (
+    getattr(_exceptions, "InvalidTaskBackend", None) or _exceptions.InvalidTaskBackendError
+)
+FrameworkTask = _base.Task
+TaskContext = _base.TaskContext
+TaskError = _base.TaskError
+TaskResult = _base.TaskResult
+TaskResultStatus = _base.TaskResultStatus
+
+__all__ = ["InvalidTask", "RabbitMQBackend", "resolve_django_task"]
+
+#: OPTIONS this backend understands; each defaults to the DEFERRED key of the same name.
+OPTION_NAMES = ("ON_COMMIT", "MAX_RETRIES", "RETRY_BACKOFF")
+
+
+class RabbitMQBackend(BaseTaskBackend):  # type: ignore[misc]
+    """Enqueue django.tasks tasks as deferred jobs; ``run_deferred_worker`` runs them.
+
+    ``QUEUES`` (default: every queue of ``DEFERRED['QUEUES']``) are the queue
+    names a task may use, each one a target queue of DEFERRED. ``OPTIONS``
+    may set ``ON_COMMIT``, ``MAX_RETRIES`` and ``RETRY_BACKOFF`` for this
+    backend's tasks; unset, they follow ``DEFERRED``.
+    """
+
+    supports_defer = True
+    supports_async_task = True
+    #: No result store: a model-free backend keeps nothing after the job ran.
+    supports_get_result = False
+    #: Jobs of one queue run in the order they become due; there is no priority.
+    supports_priority = False
+
+    def __init__(self, alias: str, params: dict[str, Any]) -> None:
+        super().__init__(alias, params)
+        if "QUEUES" not in params:
+            # Backends are made when tasks are decorated, at import time: a bad
+            # DEFERRED must not crash that, it is reported by `manage.py check`.
+            self.queues = set(_configured_queues())
+        options = dict(self.options)
+        unknown = sorted(set(options) - set(OPTION_NAMES))
+        if unknown:
+            raise InvalidTaskBackend(
+                f"Unknown OPTIONS for TASKS[{alias!r}]: {', '.join(unknown)}. "
+                f"Known: {', '.join(OPTION_NAMES)}."
+            )
+        on_commit = options.get("ON_COMMIT")
+        if on_commit is not None and not isinstance(on_commit, bool):
+            raise InvalidTaskBackend(
+                f"TASKS[{alias!r}]['OPTIONS']['ON_COMMIT'] must be True or False."
+            )
+        self.on_commit: bool | None = on_commit
+        self.max_retries: int | None = _option(alias, options, "MAX_RETRIES", validate_max_retries)
+        self.retry_backoff: Backoff | None = _option(alias, options, "RETRY_BACKOFF", parse_backoff)
+
+    def validate_task(self, task: Any) -> None:
+        """The framework's checks, plus: the queue is a target queue of DEFERRED."""
+        super().validate_task(task)
+        configured = _configured_queues()
+        if configured and task.queue_name not in configured:
+            raise InvalidTask(
+                f"Queue {task.queue_name!r} is not in DEFERRED['QUEUES'] {list(configured)!r}: "
+                "add it there and run declare_delay_topology."
+            )
+
+    def enqueue(self, task: Any, args: Any, kwargs: Any) -> Any:
+        """Publish the task as a job (after the commit inside ``atomic()``).
+
+        The result's id is the job id, the one the worker logs and
+        ``deferred_failed`` lists. Raises ``InvalidTask`` for a task this
+        backend cannot run as asked, ``TypeError`` for arguments the function
+        cannot take or JSON cannot carry, ``deferred.BrokerError`` if the
+        broker cannot take the job.
+        """
+        self.validate_task(task)
+        settings = get_settings()
+        _check_arguments(task, tuple(args), dict(kwargs))
+        now = utcnow()
+        wait_ms = self._wait_ms(task.run_after, now, settings)
+        job = Job(
+            id=new_job_id(),
+            task=task.module_path,
+            args=tuple(args),
+            kwargs=dict(kwargs),
+            due=now + timedelta(milliseconds=wait_ms),
+            queue=task.queue_name,
+            created=now,
+            backend=self.alias,
+        )
+        body = job.encode()  # TypeError now, naming the task, if JSON cannot carry the arguments
+        result = TaskResult(
+            task=task,
+            id=job.id,
+            status=TaskResultStatus.READY,
+            enqueued_at=now,
+            started_at=None,
+            finished_at=None,
+            last_attempted_at=None,
+            args=list(args),
+            kwargs=dict(kwargs),
+            backend=self.alias,
+            errors=[],
+            worker_ids=[],
+        )
+        # task_enqueued once the job is on the broker: after the commit inside
+        # atomic(), never for a rollback.
+        submit(
+            job,
+            wait_ms,
+            on_commit=self.on_commit,
+            settings=settings,
+            on_published=partial(_signals.task_enqueued.send, type(self), task_result=result),
+            body=body,
+        )
+        return result
+
+    @staticmethod
+    def _wait_ms(run_after: datetime | None, now: datetime, settings: DeferredSettings) -> int:
+        if run_after is None:
+            return 0
+        if timezone.is_naive(run_after):
+            # Only possible with USE_TZ = False: naive times are local times.
+            run_after = timezone.make_aware(run_after)
+        try:
+            return delay_ms(
+                run_after,
+                now=now,
+                resolution_ms=settings.resolution_ms,
+                max_delay_ms=settings.max_delay_ms,
+            )
+        except (TypeError, ValueError) as exc:
+            raise InvalidTask(f"run_after: {exc}") from exc
+
+    def retry_policy(self, settings: DeferredSettings) -> RetryPolicy:
+        """This backend's OPTIONS over the DEFERRED defaults."""
+        return RetryPolicy(
+            max_retries=settings.max_retries if self.max_retries is None else self.max_retries,
+            backoff=settings.retry_backoff if self.retry_backoff is None else self.retry_backoff,
+        )
+
+    def check(self, **kwargs: Any) -> list[checks.CheckMessage]:
+        configured = _configured_queues()
+        if not configured:
+            return []  # DEFERRED itself is wrong: deferred's own check says how
+        missing = sorted(q for q in self.queues if q not in configured)
+        if not missing:
+            return []
+        return [
+            checks.Error(
+                f"TASKS[{self.alias!r}]['QUEUES'] names {', '.join(missing)}, not in "
+                f"DEFERRED['QUEUES'] {list(configured)!r}.",
+                hint="Every queue of the backend must be a target queue of DEFERRED.",
+                id="deferred.E010",
+            )
+        ]
+
+
+def _option(alias: str, options: dict[str, Any], name: str, parse: Any) -> Any:
+    """``OPTIONS[name]`` parsed by the same function as its DEFERRED twin; ``None`` if unset."""
+    if options.get(name) is None:
+        return None
+    try:
+        return parse(options[name])
+    except (TypeError, ValueError) as exc:
+        raise InvalidTaskBackend(f"TASKS[{alias!r}]['OPTIONS'][{name!r}]: {exc}") from exc
+
+
+def _configured_queues() -> tuple[str, ...]:
+    """DEFERRED['QUEUES'], or nothing while DEFERRED is invalid (the system check reports it)."""
+    try:
+        return get_settings().queues
+    except ImproperlyConfigured:
+        return ()
+
+
+def _check_arguments(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """``TypeError`` now, in the caller, rather than in the worker hours later."""
+    if task.takes_context:
+        args = (None, *args)  # the worker passes the context first
+    check_call(task.func, task.module_path, args, kwargs)
+
+
+@dataclass(frozen=True)
+class DjangoTask:
+    """A django.tasks task found for a job, with the backend that enqueued it."""
+
+    task: Any
+    backend: RabbitMQBackend
+
+    def run(self, job: Job, worker_id: str) -> Any:
+        """Run one attempt with the framework's signals and, if asked for, its context."""
+        now = timezone.now()
+        result: Any = TaskResult(
+            task=self.task,
+            id=job.id,
+            status=TaskResultStatus.RUNNING,
+            enqueued_at=job.created,
+            started_at=now,
+            finished_at=None,
+            last_attempted_at=now,
+            args=list(job.args),
+            kwargs=dict(job.kwargs),
+            backend=self.backend.alias,
+            errors=[],
+            # TaskContext.attempt counts these: one per attempt, this one last.
+            worker_ids=[*job.workers, worker_id],
+        )
+        _signals.task_started.send(type(self.backend), task_result=result)
+        try:
+            with running(job):
+                if self.task.takes_context:
+                    value = self.task.call(TaskContext(task_result=result), *job.args, **job.kwargs)
+                else:
+                    value = self.task.call(*job.args, **job.kwargs)
+        except BaseException as exc:
+            kind = type(exc)
+            result.errors.append(
+                TaskError(
+                    exception_class_path=f"{kind.__module__}.{kind.__qualname__}",
+                    traceback="".join(traceback.format_exception(exc)),
+                )
+            )
+            _finish(result, TaskResultStatus.FAILED)
+            _signals.task_finished.send(type(self.backend), task_result=result)
+            raise
+        _finish(result, TaskResultStatus.SUCCESSFUL)
+        _signals.task_finished.send(type(self.backend), task_result=result)
+        return value
+
+    def retry_policy(self, settings: DeferredSettings) -> RetryPolicy:
+        return self.backend.retry_policy(settings)
+
+
+def _finish(result: Any, status: Any) -> None:
+    # TaskResult is frozen; the framework's own backends update it this way.
+    object.__setattr__(result, "status", status)
+    object.__setattr__(result, "finished_at", timezone.now())
+
+
+def resolve_django_task(job: Job) -> DjangoTask:
+    """The django.tasks task a job names; ``UnknownTask`` if it cannot be run here.
+
+    A message only names a module path, so nothing is imported here: the
+    module must already be loaded (``tasks.py`` of every installed app is,
+    when the worker starts), and the object found must be a django.tasks
+    ``Task``. A forged message can neither import a module nor call anything
+    that is not a task.
+    """
+    assert job.backend is not None
+    module_name, _, attribute = job.task.rpartition(".")
+    module = sys.modules.get(module_name) if module_name else None
+    if module is None:
+        raise UnknownTask(
+            f"django.tasks task {job.task!r}: module {module_name!r} is not loaded in this "
+            "worker. Define django.tasks tasks in the tasks.py of an installed app (or in a "
+            "module it imports): those are imported when the worker starts."
+        )
+    found = getattr(module, attribute, None)
+    if not isinstance(found, FrameworkTask):
+        raise UnknownTask(f"{job.task!r} is not a django.tasks task (got {found!r}).")
+    try:
+        backend = _api.task_backends[job.backend]
+    except InvalidTaskBackend as exc:
+        raise UnknownTask(
+            f"Job {job.id} was enqueued through TASKS[{job.backend!r}], which this worker's "
+            f"settings do not have: {exc}"
+        ) from None
+    if not isinstance(backend, RabbitMQBackend):
+        raise UnknownTask(
+            f"TASKS[{job.backend!r}] is {type(backend).__name__} here, not RabbitMQBackend."
+        )
+    try:
+        task = found.using(backend=job.backend, queue_name=job.queue)
+    except InvalidTask as exc:
+        raise UnknownTask(f"django.tasks task {job.task!r} cannot run here: {exc}") from None
+    return DjangoTask(task, backend)

@@ -1,0 +1,76 @@
+"""Show what waits where: ready queues, delay levels, failed jobs, topology versions."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from django.core.exceptions import ImproperlyConfigured
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from deferred import status
+from deferred.broker import BrokerError
+from deferred.conf import DeferredSettings, get_settings
+from deferred.management.arguments import seconds
+
+#: ANSI: cursor home, then clear the screen (what ``watch`` does between frames).
+CLEAR_SCREEN = "\x1b[H\x1b[2J"
+
+
+class Command(BaseCommand):
+    help = (
+        "Jobs ready, running and failed per queue, jobs pending per delay level and how long "
+        "they can still wait, and the topology versions alive. Reads the broker over AMQP "
+        "(passive declares); unacked counts need RabbitMQ's management API."
+    )
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("--json", action="store_true", help="Print the figures as JSON.")
+        parser.add_argument(
+            "--watch",
+            type=seconds(0.1),
+            metavar="SECONDS",
+            help="Refresh every SECONDS until Ctrl-C (with --json: one document per line).",
+        )
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        try:
+            settings = get_settings()
+        except ImproperlyConfigured as exc:
+            raise CommandError(str(exc)) from exc
+        as_json, every = options["json"], options["watch"]
+        if every is None:
+            try:
+                snapshot = status.collect(settings).snapshot
+            except BrokerError as exc:
+                raise CommandError(str(exc)) from exc
+            self.stdout.write(
+                json.dumps(snapshot.to_dict(), indent=2)
+                if as_json
+                else status.render_text(snapshot)
+            )
+            return
+        try:
+            while True:
+                self._frame(settings, as_json)
+                time.sleep(every)
+        except KeyboardInterrupt:
+            return
+
+    def _frame(self, settings: DeferredSettings, as_json: bool) -> None:
+        """One refresh of ``--watch``: a broker that is down is reported, not fatal."""
+        try:
+            snapshot = status.collect(settings).snapshot
+        except BrokerError as exc:
+            if as_json:
+                self.stdout.write(json.dumps({"error": str(exc)}))
+            else:
+                self.stdout.write(CLEAR_SCREEN, ending="")
+                self.stderr.write(str(exc))
+            return
+        if as_json:
+            self.stdout.write(json.dumps(snapshot.to_dict()))
+        else:
+            self.stdout.write(CLEAR_SCREEN + status.render_text(snapshot))
+        self.stdout.flush()

@@ -1,0 +1,60 @@
+"""What the worker runs for a job: a ``@deferred.task`` or a django.tasks task.
+
+Both kinds travel through the same queues in the same job format; only the
+way a job names its function differs (a registered name, or the module path
+of a django.tasks ``Task`` with the alias of the backend that enqueued it).
+The worker and the test modes resolve a job here, so they run both kinds the
+same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from django.core.exceptions import ImproperlyConfigured
+
+from deferred.context import running
+from deferred.jobs import Job
+from deferred.tasks import Task, UnknownTask, get_task
+
+if TYPE_CHECKING:
+    from deferred.conf import DeferredSettings
+    from deferred.retries import RetryPolicy
+
+
+class Runnable(Protocol):
+    """A job's function, ready to run."""
+
+    def run(self, job: Job, worker_id: str) -> Any:
+        """Run one attempt of ``job``; raise what the function raised."""
+
+    def retry_policy(self, settings: DeferredSettings) -> RetryPolicy:
+        """How failed attempts of this job are retried."""
+
+
+@dataclass(frozen=True)
+class RegisteredTask:
+    """A function registered with ``@deferred.task``."""
+
+    task: Task[..., Any]
+
+    def run(self, job: Job, worker_id: str) -> Any:
+        with running(job):
+            return self.task.func(*job.args, **job.kwargs)
+
+    def retry_policy(self, settings: DeferredSettings) -> RetryPolicy:
+        return self.task.retry_policy(settings)
+
+
+def resolve(job: Job) -> Runnable:
+    """The function ``job`` names; ``deferred.tasks.UnknownTask`` if there is none."""
+    if job.backend is None:
+        return RegisteredTask(get_task(job.task))
+    # Imported only for a django.tasks job: plain users need neither Django 6
+    # nor the django-tasks backport.
+    try:
+        from deferred.backends import resolve_django_task
+    except ImproperlyConfigured as exc:
+        raise UnknownTask(f"Job {job.id} is a django.tasks job, and {exc}") from None
+    return resolve_django_task(job)

@@ -1,0 +1,19 @@
+"""The status page's URLs: ``path("deferred/", include("deferred.urls"))``.
+
+Each view goes through ``admin.site.admin_view``, so the admin site's own
+access policy (``has_permission``, e.g. a two-factor site) applies, and the
+pages are never cached.
+"""
+
+from django.contrib import admin
+from django.urls import path
+
+from deferred import views
+
+app_name = "deferred"
+
+urlpatterns = [
+    path("", admin.site.admin_view(views.status_page), name="status"),
+    path("failed/retry/", admin.site.admin_view(views.retry), name="retry"),
+    path("failed/purge/", admin.site.admin_view(views.purge), name="purge"),
+]

@@ -1,0 +1,156 @@
+"""The staff-only status page: ``deferred_status`` in a browser, with the failed jobs.
+
+It reads the broker on every request (a passive declare per queue: tens of
+milliseconds) and stores nothing: the app has no models. Retry and purge are
+POST forms with CSRF protection, and a purge asks for confirmation on a page
+of its own, so neither a prefetching browser nor a stray click removes a job.
+The page extends the admin's templates and needs ``django.contrib.admin``
+(its login page) and ``django.contrib.messages``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.contrib import admin, messages
+from django.contrib.admin.views.decorators import staff_member_required
+from django.http import HttpRequest, HttpResponse
+from django.shortcuts import redirect, render
+from django.views.decorators.http import require_GET, require_POST
+
+from deferred import failures, status
+from deferred.broker import BrokerError
+from deferred.conf import get_settings
+
+#: The chart's drawing area, in SVG user units.
+CHART_WIDTH, CHART_HEIGHT, CHART_BAR = 640, 220, 64
+
+
+def _context(request: HttpRequest, **extra: Any) -> dict[str, Any]:
+    # The admin's own context: site header, "view site", the user tools.
+    return {**admin.site.each_context(request), "title": "Deferred jobs", **extra}
+
+
+def chart_bars(snapshot: status.Snapshot) -> list[dict[str, Any]]:
+    """Geometry of the pending-jobs chart: one column per bucket, scaled to the tallest."""
+    tallest = max((bucket.jobs for bucket in snapshot.chart), default=0)
+    slot = CHART_WIDTH / len(snapshot.chart)
+    bars = []
+    for index, bucket in enumerate(snapshot.chart):
+        height = round((CHART_HEIGHT - 30) * bucket.jobs / tallest) if tallest else 0
+        if bucket.jobs and height < 2:
+            height = 2  # a non-empty bucket stays visible
+        bars.append(
+            {
+                "label": bucket.label,
+                "jobs": bucket.jobs,
+                "x": round(index * slot + (slot - CHART_BAR) / 2),
+                "middle": round(index * slot + slot / 2),
+                "y": CHART_HEIGHT - height,
+                "height": height,
+            }
+        )
+    return bars
+
+
+@staff_member_required
+@require_GET
+def status_page(request: HttpRequest) -> HttpResponse:
+    settings = get_settings()
+    try:
+        result = status.collect(settings)
+    except BrokerError as exc:
+        context = _context(request, error=str(exc))
+        return render(request, "deferred/status.html", context, status=503)
+    snapshot = result.snapshot
+    context = _context(
+        request,
+        snapshot=snapshot,
+        failed_jobs=result.failed_jobs,
+        read_limit=status.FAILED_READ_LIMIT,
+        bars=chart_bars(snapshot),
+        chart_width=CHART_WIDTH,
+        chart_height=CHART_HEIGHT,
+        current=snapshot.topologies[0],
+        levels=[
+            {
+                "name": f"L{level.level:02d}",
+                "jobs": level.jobs,
+                "due_within": None
+                if level.longest_wait_ms is None
+                else status.format_duration(level.longest_wait_ms),
+            }
+            for level in snapshot.topologies[0].levels
+        ],
+        old_topologies=snapshot.topologies[1:],
+        consumers=sum(q.consumers or 0 for q in snapshot.queues),
+    )
+    return render(request, "deferred/status.html", context)
+
+
+def _chosen(request: HttpRequest) -> list[str] | None:
+    """The ids the form names, or ``None`` for "all"."""
+    if request.POST.get("all") == "1":
+        return None
+    return [job_id for job_id in request.POST.getlist("id") if job_id]
+
+
+def _report(request: HttpRequest, outcome: failures.Outcome, verb: str) -> None:
+    if outcome.done:
+        messages.success(request, f"{len(outcome.done)} failed job(s) {verb}.", fail_silently=True)
+    for job_id, why in outcome.skipped:
+        messages.warning(request, f"Skipped {job_id}: {why}.", fail_silently=True)
+    if outcome.missing:
+        messages.error(
+            request,
+            f"No longer in the failed queue: {', '.join(outcome.missing)}.",
+            fail_silently=True,
+        )
+    if not (outcome.done or outcome.skipped or outcome.missing):
+        messages.info(request, f"Nothing {verb}.", fail_silently=True)
+
+
+@staff_member_required
+@require_POST
+def retry(request: HttpRequest) -> HttpResponse:
+    """Defer the chosen failed jobs again, due now, as a fresh attempt 1."""
+    ids = _chosen(request)
+    if ids == []:
+        messages.error(request, "No failed job was chosen.", fail_silently=True)
+        return redirect("deferred:status")
+    try:
+        outcome = failures.redrive(get_settings(), ids)
+    except BrokerError as exc:
+        messages.error(request, f"Nothing was retried: {exc}", fail_silently=True)
+    else:
+        _report(request, outcome, "re-queued")
+    return redirect("deferred:status")
+
+
+@staff_member_required
+@require_POST
+def purge(request: HttpRequest) -> HttpResponse:
+    """Delete the chosen failed jobs, once the confirmation page was answered."""
+    ids = _chosen(request)
+    if ids == []:
+        messages.error(request, "No failed job was chosen.", fail_silently=True)
+        return redirect("deferred:status")
+    settings = get_settings()
+    if request.POST.get("confirmed") != "yes":
+        try:
+            entries = failures.list_failed(settings)
+        except BrokerError as exc:
+            messages.error(request, f"Cannot read the failed jobs: {exc}", fail_silently=True)
+            return redirect("deferred:status")
+        chosen = entries if ids is None else [e for e in entries if e.id in set(ids)]
+        context = _context(
+            request, title="Purge failed jobs?", chosen=chosen, ids=ids, purge_all=ids is None
+        )
+        return render(request, "deferred/purge_confirm.html", context)
+    try:
+        outcome = failures.purge(settings, ids)
+    except BrokerError as exc:
+        messages.error(request, f"Nothing was purged: {exc}", fail_silently=True)
+    else:
+        _report(request, outcome, "purged")
+    return redirect("deferred:status")

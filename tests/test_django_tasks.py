@@ -1,0 +1,265 @@
+"""The django.tasks backend against the real broker: Django 6's django.tasks, or
+Django 5.2 with the django-tasks backport (the same tests run on both in CI)."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+from django.db import transaction
+from django.test import override_settings
+
+from deferred import testing
+from deferred.backends import InvalidTask, InvalidTaskBackend, RabbitMQBackend, _api, _signals
+from deferred.conf import get_settings
+from deferred.failures import list_failed
+from deferred.jobs import Job, new_job_id
+from deferred.publishing import publish
+from tests.conftest import depth, total_waiting, wait_for
+from tests.testapp.framework_tasks import email_users, flaky, note, note_async
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_the_backend_says_what_it_supports():
+    backend = _api.task_backends["default"]
+    assert isinstance(backend, RabbitMQBackend)
+    assert backend.supports_defer is True
+    assert backend.supports_async_task is True
+    # Model-free: no result store, and no priorities.
+    assert backend.supports_get_result is False
+    assert backend.supports_priority is False
+    # Without QUEUES, every target queue of DEFERRED.
+    assert backend.queues == {"default", "other"}
+
+
+def test_what_it_cannot_honour_is_refused_with_the_frameworks_exceptions(clean):
+    with pytest.raises(InvalidTask, match="priority"):
+        email_users.using(priority=10)
+    with pytest.raises(InvalidTask, match="not valid for backend"):
+        email_users.using(queue_name="nowhere")
+    with pytest.raises(InvalidTask, match="aware"):
+        email_users.using(run_after=datetime(2030, 1, 1)).enqueue(["a@example.com"], "s", "m")
+    far = datetime.now(UTC) + timedelta(days=365 * 11)
+    with pytest.raises(InvalidTask, match="run_after"):
+        email_users.using(run_after=far).enqueue(["a@example.com"], "s", "m")
+    with pytest.raises(NotImplementedError):
+        _api.task_backends["default"].get_result("anything")
+
+
+def test_bad_arguments_are_refused_before_anything_is_published(clean, raw_channel):
+    with pytest.raises(TypeError, match="Bad arguments"):
+        email_users.enqueue(["a@example.com"], "subject")  # message missing
+    with pytest.raises(TypeError, match="JSON"):
+        email_users.enqueue([object()], "s", "m")
+    with pytest.raises(TypeError, match="Bad arguments"):
+        flaky.enqueue("only-one")  # context is passed by the worker, not the caller
+    assert total_waiting(raw_channel, clean) == 0
+
+
+def test_unknown_options_are_a_configuration_error():
+    with pytest.raises(InvalidTaskBackend, match="PRIORITY"):
+        RabbitMQBackend("x", {"OPTIONS": {"PRIORITY": 1}})
+    with pytest.raises(InvalidTaskBackend, match="ON_COMMIT"):
+        RabbitMQBackend("x", {"OPTIONS": {"ON_COMMIT": "yes"}})
+    with pytest.raises(InvalidTaskBackend, match="MAX_RETRIES"):
+        RabbitMQBackend("x", {"OPTIONS": {"MAX_RETRIES": -1}})
+
+
+def test_the_docs_example_runs_through_the_worker_not_before_run_after(
+    clean, worker_process, tmp_path, monkeypatch
+):
+    mail_dir = tmp_path / "mail"
+    monkeypatch.setenv("DEFERRED_TEST_MAIL_DIR", str(mail_dir))
+    worker = worker_process()
+    run_after = datetime.now(UTC) + timedelta(milliseconds=400)
+    result = email_users.using(run_after=run_after).enqueue(
+        emails=["ada@example.com"], subject="You have mail", message="Hello"
+    )
+    assert result.status == _api.TaskResultStatus.READY
+    assert result.backend == "default"
+    assert re.fullmatch(r"[0-9a-f]{32}", result.id)
+
+    assert wait_for(lambda: mail_dir.exists() and any(mail_dir.iterdir()), 15), worker.output()
+    (sent,) = list(mail_dir.iterdir())
+    ran_at = sent.stat().st_mtime
+    assert ran_at >= run_after.timestamp(), "ran before run_after"
+    assert ran_at < run_after.timestamp() + 5, "grossly late"
+    assert "Subject: You have mail" in sent.read_text()
+    # The result id is the job id the worker logs.
+    assert wait_for(lambda: f"job={result.id}" in worker.output(), 5), worker.output()
+    assert "outcome=succeeded" in worker.output()
+
+
+def test_a_rollback_enqueues_nothing_a_commit_enqueues_after_it(clean, raw_channel, tmp_path):
+    path = tmp_path / "notes.jsonl"
+    enqueued: list[str] = []
+
+    def on_enqueued(sender, task_result, **kwargs):
+        enqueued.append(task_result.id)
+
+    class Boom(Exception):
+        pass
+
+    _signals.task_enqueued.connect(on_enqueued)
+    try:
+        with pytest.raises(Boom), transaction.atomic():
+            note.enqueue(str(path), "rolled back")
+            raise Boom
+        time.sleep(0.2)
+        assert total_waiting(raw_channel, clean) == 0
+        assert enqueued == []  # task_enqueued is not sent for a rollback
+
+        with transaction.atomic():
+            result = note.enqueue(str(path), "committed")
+            # Neither published nor signalled before the commit.
+            assert depth(raw_channel, clean.ready_queues["other"].name) == 0
+            assert enqueued == []
+        assert enqueued == [result.id]
+        assert wait_for(lambda: depth(raw_channel, clean.ready_queues["other"].name) == 1, 5)
+    finally:
+        _signals.task_enqueued.disconnect(on_enqueued)
+
+
+def test_queue_name_picks_the_target_queue_and_both_kinds_share_the_worker(
+    clean, run_worker, tmp_path
+):
+    path = tmp_path / "notes.jsonl"
+    run_worker(queues=["other"])
+    note.enqueue(str(path), "django.tasks on other")
+    from tests.testapp.tasks import on_other
+
+    on_other.defer(0, str(path), "deferred on other")
+    assert wait_for(lambda: len(lines(path)) == 2, 10)
+    assert {line["label"] for line in lines(path)} == {
+        "django.tasks on other",
+        "deferred on other",
+    }
+
+
+def test_async_tasks_run(clean, run_worker, tmp_path):
+    path = tmp_path / "notes.jsonl"
+    run_worker()
+    note_async.enqueue(str(path), "async")
+    assert wait_for(lambda: lines(path), 10)
+    assert lines(path)[0]["async"] is True
+
+
+def test_a_task_that_takes_a_context_gets_the_attempt_number(clean, run_worker, tmp_path):
+    path = tmp_path / "attempts.jsonl"
+    events: list[tuple[str, str, int]] = []
+
+    def started(sender, task_result, **kwargs):
+        events.append(("started", str(task_result.status), task_result.attempts))
+
+    def finished(sender, task_result, **kwargs):
+        events.append(("finished", str(task_result.status), task_result.attempts))
+
+    _signals.task_started.connect(started)
+    _signals.task_finished.connect(finished)
+    tasks_setting = {
+        "default": {
+            "BACKEND": "deferred.backends.RabbitMQBackend",
+            "OPTIONS": {"MAX_RETRIES": 2, "RETRY_BACKOFF": [0.05]},
+        }
+    }
+    try:
+        with override_settings(TASKS=tasks_setting):
+            run_worker()
+            result = flaky.enqueue(str(path), 2)
+            assert wait_for(lambda: len(lines(path)) == 3, 15)
+            time.sleep(0.2)
+    finally:
+        _signals.task_started.disconnect(started)
+        _signals.task_finished.disconnect(finished)
+    assert [line["attempt"] for line in lines(path)] == [1, 2, 3]
+    assert {line["id"] for line in lines(path)} == {result.id}
+    assert events == [
+        ("started", "RUNNING", 1),
+        ("finished", "FAILED", 1),
+        ("started", "RUNNING", 2),
+        ("finished", "FAILED", 2),
+        ("started", "RUNNING", 3),
+        ("finished", "SUCCESSFUL", 3),
+    ]
+
+
+def test_a_failing_task_goes_to_the_failed_queue_with_its_job_id(clean, run_worker, tmp_path):
+    run_worker()
+    result = flaky.enqueue(str(tmp_path / "a.jsonl"), 5)  # no retries by default
+    assert wait_for(lambda: list_failed(get_settings()), 10)
+    (entry,) = list_failed(get_settings())
+    assert entry.id == result.id
+    assert entry.reason == "task_error"
+    assert entry.job is not None and entry.job.backend == "default"
+
+
+def forged_failure(task: str, args: tuple = ()):
+    """Publish a django.tasks job naming ``task`` as if by anyone; return its failed entry."""
+    job = Job(
+        id=new_job_id(),
+        task=task,
+        args=args,
+        kwargs={},
+        due=datetime.now(UTC),
+        queue="default",
+        backend="default",
+    )
+    publish(job, 0)
+    assert wait_for(lambda: list_failed(get_settings()), 10)
+    (entry,) = list_failed(get_settings())
+    return entry
+
+
+def test_a_forged_job_naming_something_else_is_not_run(clean, run_worker):
+    run_worker()
+    entry = forged_failure("os.system", ("touch /tmp/owned",))
+    assert entry.reason == "unknown_task"
+    assert "not a django.tasks task" in (entry.error or "")
+
+
+def test_a_job_naming_a_module_the_worker_has_not_loaded_imports_nothing(clean, run_worker):
+    run_worker()
+    entry = forged_failure("tests.testapp.not_loaded.hidden")
+    assert entry.reason == "unknown_task"
+    assert "is not loaded in this worker" in (entry.error or "")
+    assert "tests.testapp.not_loaded" not in sys.modules
+
+
+def test_capture_and_eager_modes_take_django_tasks_too(tmp_path):
+    path = tmp_path / "notes.jsonl"
+    with testing.capture() as jobs:
+        note.enqueue(str(path), "captured")
+    assert [job.task for job in jobs] == ["tests.testapp.framework_tasks.note"]
+    assert not path.exists()
+    jobs.run()
+    assert [line["label"] for line in lines(path)] == ["captured"]
+    with testing.eager():
+        note.enqueue(str(path), "eager")
+    assert [line["label"] for line in lines(path)][-1] == "eager"
+
+
+def test_a_backend_queue_outside_deferred_queues_fails_the_system_check():
+    backend = RabbitMQBackend("x", {"QUEUES": ["default", "nope"]})
+    (error,) = backend.check()
+    assert error.id == "deferred.E010"
+    assert "nope" in error.msg
+    assert RabbitMQBackend("y", {}).check() == []
+
+
+def test_a_bad_deferred_setting_does_not_crash_task_definitions():
+    # Backends are built while tasks modules are imported; a bad DEFERRED is
+    # for `manage.py check` to report (deferred.E001), not an import crash.
+    with override_settings(DEFERRED={"RADIX": 1}):
+        backend = RabbitMQBackend("z", {})
+        assert backend.check() == []
+        backend.validate_task(email_users)

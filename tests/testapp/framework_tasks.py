@@ -1,0 +1,39 @@
+"""django.tasks tasks (Django 6, or the django-tasks backport on 5.2) for the
+backend's tests; the first is the example of Django's documentation."""
+
+import json
+import os
+import time
+
+from django.core.mail import send_mail
+
+try:
+    from django.tasks import task
+except ImportError:  # Django 5.2
+    from django_tasks import task  # type: ignore[no-redef]
+
+
+@task
+def email_users(emails, subject, message):
+    return send_mail(subject=subject, message=message, from_email=None, recipient_list=emails)
+
+
+@task(takes_context=True)
+def flaky(context, path, failures):
+    """Fails its first ``failures`` attempts; records each attempt number."""
+    with open(path, "a") as f:
+        f.write(json.dumps({"attempt": context.attempt, "id": context.task_result.id}) + "\n")
+    if context.attempt <= failures:
+        raise RuntimeError(f"attempt {context.attempt} fails")
+
+
+@task(queue_name="other")
+def note(path, label):
+    with open(path, "a") as f:
+        f.write(json.dumps({"label": label, "at": time.time(), "pid": os.getpid()}) + "\n")
+
+
+@task
+async def note_async(path, label):
+    with open(path, "a") as f:
+        f.write(json.dumps({"label": label, "at": time.time(), "async": True}) + "\n")
