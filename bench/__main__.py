@@ -1,6 +1,6 @@
 """Run the benchmarks and write ``docs/bench/``: results.json, README.md and plots.
 
-python -m bench [--quick] [--only raw,latency,dispatch,sustained,scale,alternatives]
+python -m bench [--quick] [--only raw,latency,dispatch,sustained,scale,alternatives,operate]
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-SCENARIOS = ["raw", "latency", "dispatch", "sustained", "scale", "alternatives"]
+SCENARIOS = ["raw", "latency", "dispatch", "sustained", "scale", "alternatives", "operate"]
 
 
 def parameters(quick: bool, smoke: bool = False) -> dict[str, Any]:
@@ -39,6 +39,7 @@ def parameters(quick: bool, smoke: bool = False) -> dict[str, Any]:
             "alt_delay_s": 0.3,
             "alt_polls": [0.2],
             "celery": None,
+            "operate": (20, 20, 20),
         }
     if quick:
         return {
@@ -56,6 +57,7 @@ def parameters(quick: bool, smoke: bool = False) -> dict[str, Any]:
             "alt_jobs": 300,
             "alt_delay_s": 2.0,
             "alt_polls": [1.0],
+            "operate": (300, 200, 1000),
             "celery": {"eta_pending": 5000, "timeout": None, "rates": [100], "seconds": 3},
         }
     return {
@@ -84,6 +86,7 @@ def parameters(quick: bool, smoke: bool = False) -> dict[str, Any]:
         "alt_jobs": 500,
         "alt_delay_s": 5.0,
         "alt_polls": [1.0, 60.0],
+        "operate": (2000, 1000, 1000),
         "celery": {
             "eta_pending": 100_000,
             "timeout": (5000, 90.0, 20),
@@ -105,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     import django
 
     django.setup()
-    from bench import alternatives, dispatch, latency, raw, report, scale, sustained
+    from bench import alternatives, dispatch, latency, operate, raw, report, scale, sustained
 
     chosen = [s for s in args.only.split(",") if s]
     unknown = set(chosen) - set(SCENARIOS)
@@ -182,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
             "celery": _celery(p["celery"]),
         },
     )
+    step("operate", lambda: operate.run(*p["operate"]))
     report.write(results, out_dir)
     print(f"Report: {out_dir / 'README.md'}")
     return 0

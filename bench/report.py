@@ -53,6 +53,7 @@ def write(results: dict[str, Any], out: Path) -> None:
     lines += _sustained(results, plots)
     lines += _scale(results, plots)
     lines += _alternatives(results)
+    lines += _operate(results)
     (out / "README.md").write_text("\n".join(lines) + "\n")
 
 
@@ -327,6 +328,36 @@ def _alternatives(r: dict[str, Any]) -> list[str]:
         "",
     ]
     return lines
+
+
+def _operate(r: dict[str, Any]) -> list[str]:
+    o = r.get("operate")
+    if not o:
+        return []
+    if "skipped" in o:
+        return ["## Operating", "", f"Skipped: {o['skipped']}.", ""]
+
+    def ms(key: str) -> str:
+        return f"p50 {_f(o[key]['p50'], 2)} ms, p99 {_f(o[key]['p99'], 2)} ms"
+
+    return [
+        "## Operating: django.tasks and the status read",
+        "",
+        "| measure | result |",
+        "|---|---|",
+        f"| `defer()` in the caller, one thread | {ms('defer_ms')} |",
+        f"| django.tasks `.enqueue()` with `run_after`, one thread | {ms('enqueue_ms')} |",
+        f"| django.tasks jobs, `run_after` uniform 0-2 s, lateness "
+        f"({o['enqueue_jobs_run']} of {o['enqueue_jobs']} run) | {ms('enqueue_lateness_ms')} |",
+        f"| one `deferred_status` read ({o['status_pending']} pending, no failed job) "
+        f"| {ms('status_no_failed_ms')} |",
+        f"| the same with {o['status_failed']} failed jobs (read to list them) "
+        f"| {ms('status_with_failed_ms')} |",
+        "",
+        "A status read is a passive declare per queue of the topology plus a read "
+        "of the failed queue, up to 1,000 entries; the status page costs one read per view.",
+        "",
+    ]
 
 
 def _plots(r: dict[str, Any], out: Path) -> dict[str, str]:

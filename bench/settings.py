@@ -28,6 +28,9 @@ DEFERRED = {
     "ON_COMMIT": False,
 }
 
+# The django.tasks backend, for the operate scenario.
+TASKS = {"default": {"BACKEND": "deferred.backends.RabbitMQBackend"}}
+
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,

@@ -5,8 +5,10 @@ exits, so that measuring costs nothing per job but a list append.
 """
 
 import atexit
+import importlib
 import os
 import time
+from typing import Any
 
 from deferred import current_job, task
 
@@ -29,3 +31,25 @@ def _write() -> None:
 
 
 atexit.register(_write)
+
+
+def _noop_for_framework(n: int = 0) -> None:
+    noop(n)
+
+
+def _framework() -> Any:
+    """django.tasks (Django 6), the backport (5.2), or ``None`` if neither is installed."""
+    for package in ("django.tasks", "django_tasks"):
+        try:
+            return importlib.import_module(package)
+        except ImportError:
+            continue
+    return None
+
+
+# The worker finds a django.tasks task by its module path: the function's
+# name must be the name it has in this module.
+_noop_for_framework.__name__ = _noop_for_framework.__qualname__ = "framework_noop"
+#: The same note as a django.tasks task; ``None`` without django.tasks.
+_tasks_api = _framework()
+framework_noop: Any = _tasks_api.task(_noop_for_framework) if _tasks_api else None
