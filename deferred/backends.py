@@ -17,8 +17,10 @@ own ``InvalidTask``.
 from __future__ import annotations
 
 import importlib
+import logging
 import sys
 import traceback
+from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from functools import partial
@@ -72,6 +74,15 @@ TaskContext = _base.TaskContext
 TaskError = _base.TaskError
 TaskResult = _base.TaskResult
 TaskResultStatus = _base.TaskResultStatus
+#: The queue name ``@task`` gives a task that names none.
+DEFAULT_TASK_QUEUE_NAME: str = _base.DEFAULT_TASK_QUEUE_NAME
+
+logger = logging.getLogger(__name__)
+
+#: The result ``enqueue()`` is about to return, while a test mode may run the
+#: task inline (``deferred.testing.eager()``): that run then updates it, as
+#: the framework's ImmediateBackend does, instead of a result nobody sees.
+_enqueuing: ContextVar[Any] = ContextVar("deferred_enqueuing", default=None)
 
 __all__ = ["InvalidTask", "RabbitMQBackend", "resolve_django_task"]
 
@@ -83,9 +94,12 @@ class RabbitMQBackend(BaseTaskBackend):  # type: ignore[misc]
     """Enqueue django.tasks tasks as deferred jobs; ``run_deferred_worker`` runs them.
 
     ``QUEUES`` (default: every queue of ``DEFERRED['QUEUES']``) are the queue
-    names a task may use, each one a target queue of DEFERRED. ``OPTIONS``
-    may set ``ON_COMMIT``, ``MAX_RETRIES`` and ``RETRY_BACKOFF`` for this
-    backend's tasks; unset, they follow ``DEFERRED``.
+    names a task may use, each one a target queue of DEFERRED. The framework's
+    default queue name, ``"default"``, is always accepted: a task that names
+    no queue goes to DEFERRED's default queue (the first of its QUEUES), as a
+    job of ``defer()`` does. ``OPTIONS`` may set ``ON_COMMIT``,
+    ``MAX_RETRIES`` and ``RETRY_BACKOFF`` for this backend's tasks; unset,
+    they follow ``DEFERRED``.
     """
 
     supports_defer = True
@@ -100,7 +114,7 @@ class RabbitMQBackend(BaseTaskBackend):  # type: ignore[misc]
         if "QUEUES" not in params:
             # Backends are made when tasks are decorated, at import time: a bad
             # DEFERRED must not crash that, it is reported by `manage.py check`.
-            self.queues = set(_configured_queues())
+            self.queues = {*_configured_queues(), DEFAULT_TASK_QUEUE_NAME}
         options = dict(self.options)
         unknown = sorted(set(options) - set(OPTION_NAMES))
         if unknown:
@@ -118,14 +132,18 @@ class RabbitMQBackend(BaseTaskBackend):  # type: ignore[misc]
         self.retry_backoff: Backoff | None = _option(alias, options, "RETRY_BACKOFF", parse_backoff)
 
     def validate_task(self, task: Any) -> None:
-        """The framework's checks, plus: the queue is a target queue of DEFERRED."""
-        super().validate_task(task)
+        """The queue is a target queue of DEFERRED, then the framework's own checks.
+
+        Ours first: the framework's "Queue ... is not valid for backend" does
+        not say where the valid ones come from.
+        """
         configured = _configured_queues()
-        if configured and task.queue_name not in configured:
+        if configured and _target_queue(task.queue_name, configured) is None:
             raise InvalidTask(
                 f"Queue {task.queue_name!r} is not in DEFERRED['QUEUES'] {list(configured)!r}: "
                 "add it there and run declare_delay_topology."
             )
+        super().validate_task(task)
 
     def enqueue(self, task: Any, args: Any, kwargs: Any) -> Any:
         """Publish the task as a job (after the commit inside ``atomic()``).
@@ -147,7 +165,7 @@ class RabbitMQBackend(BaseTaskBackend):  # type: ignore[misc]
             args=tuple(args),
             kwargs=dict(kwargs),
             due=now + timedelta(milliseconds=wait_ms),
-            queue=task.queue_name,
+            queue=_target_queue(task.queue_name, settings.queues) or task.queue_name,
             created=now,
             backend=self.alias,
         )
@@ -168,23 +186,24 @@ class RabbitMQBackend(BaseTaskBackend):  # type: ignore[misc]
         )
         # task_enqueued once the job is on the broker: after the commit inside
         # atomic(), never for a rollback.
-        submit(
-            job,
-            wait_ms,
-            on_commit=self.on_commit,
-            settings=settings,
-            on_published=partial(_signals.task_enqueued.send, type(self), task_result=result),
-            body=body,
-        )
+        token = _enqueuing.set(result)
+        try:
+            submit(
+                job,
+                wait_ms,
+                on_commit=self.on_commit,
+                settings=settings,
+                on_published=partial(_send, _signals.task_enqueued, type(self), result),
+                body=body,
+            )
+        finally:
+            _enqueuing.reset(token)
         return result
 
     @staticmethod
     def _wait_ms(run_after: datetime | None, now: datetime, settings: DeferredSettings) -> int:
         if run_after is None:
             return 0
-        if timezone.is_naive(run_after):
-            # Only possible with USE_TZ = False: naive times are local times.
-            run_after = timezone.make_aware(run_after)
         try:
             return delay_ms(
                 run_after,
@@ -206,7 +225,7 @@ class RabbitMQBackend(BaseTaskBackend):  # type: ignore[misc]
         configured = _configured_queues()
         if not configured:
             return []  # DEFERRED itself is wrong: deferred's own check says how
-        missing = sorted(q for q in self.queues if q not in configured)
+        missing = sorted(q for q in self.queues if _target_queue(q, configured) is None)
         if not missing:
             return []
         return [
@@ -227,6 +246,46 @@ def _option(alias: str, options: dict[str, Any], name: str, parse: Any) -> Any:
         return parse(options[name])
     except (TypeError, ValueError) as exc:
         raise InvalidTaskBackend(f"TASKS[{alias!r}]['OPTIONS'][{name!r}]: {exc}") from exc
+
+
+def _target_queue(queue_name: str, configured: tuple[str, ...]) -> str | None:
+    """The DEFERRED queue a django.tasks ``queue_name`` means; ``None`` if none.
+
+    ``"default"``, what ``@task`` gives a task that names no queue, means
+    DEFERRED's default queue when DEFERRED has no queue of that name.
+    """
+    if queue_name in configured:
+        return queue_name
+    if queue_name == DEFAULT_TASK_QUEUE_NAME and configured:
+        return configured[0]
+    return None
+
+
+def _send(signal: Any, sender: type, result: Any) -> None:
+    """Send a framework signal; a receiver that raises is logged, never fatal.
+
+    By the time ``task_enqueued`` is sent the job is on the broker, and other
+    jobs of the same transaction may still be waiting for their on-commit
+    callback: a receiver's bug must neither lose those nor make the caller
+    retry (and so duplicate) a job that was published. Likewise a job's
+    outcome is its function's, not a receiver's.
+    """
+    for receiver, response in signal.send_robust(sender, task_result=result):
+        if isinstance(response, Exception):
+            logger.error(
+                "A receiver of django.tasks' %s signal raised (job %s): %s",
+                _signal_name(signal),
+                result.id,
+                receiver,
+                exc_info=response,
+            )
+
+
+def _signal_name(signal: Any) -> str:
+    for name in ("task_enqueued", "task_started", "task_finished"):
+        if getattr(_signals, name) is signal:
+            return name
+    return "task"
 
 
 def _configured_queues() -> tuple[str, ...]:
@@ -251,25 +310,42 @@ class DjangoTask:
     task: Any
     backend: RabbitMQBackend
 
-    def run(self, job: Job, worker_id: str) -> Any:
-        """Run one attempt with the framework's signals and, if asked for, its context."""
+    def run(self, job: Job, worker_id: str, *, retries: bool = True) -> Any:
+        """Run one attempt with the framework's signals and, if asked for, its context.
+
+        ``task_finished`` says how the attempt ended in the framework's terms:
+        SUCCESSFUL with the return value, FAILED when no retry will follow,
+        and READY ("ready to be executed again") when the worker will retry
+        it, so that the framework's own log handler does not report an
+        attempt that is retried as a failed task. ``retries`` is false where
+        nothing retries (``deferred.testing``).
+        """
         now = timezone.now()
-        result: Any = TaskResult(
-            task=self.task,
-            id=job.id,
-            status=TaskResultStatus.RUNNING,
-            enqueued_at=job.created,
-            started_at=now,
-            finished_at=None,
-            last_attempted_at=now,
-            args=list(job.args),
-            kwargs=dict(job.kwargs),
-            backend=self.backend.alias,
-            errors=[],
+        fields = {
+            "status": TaskResultStatus.RUNNING,
+            "started_at": now,
+            "last_attempted_at": now,
             # TaskContext.attempt counts these: one per attempt, this one last.
-            worker_ids=[*job.workers, worker_id],
-        )
-        _signals.task_started.send(type(self.backend), task_result=result)
+            "worker_ids": [*job.workers, worker_id],
+        }
+        result = _enqueuing.get()
+        if result is not None and result.id == job.id:
+            # Run inline by a test mode inside enqueue(): update what it returns.
+            for name, value in fields.items():
+                object.__setattr__(result, name, value)
+        else:
+            result = TaskResult(
+                task=self.task,
+                id=job.id,
+                enqueued_at=job.created,
+                finished_at=None,
+                args=list(job.args),
+                kwargs=dict(job.kwargs),
+                backend=self.backend.alias,
+                errors=[],
+                **fields,
+            )
+        _send(_signals.task_started, type(self.backend), result)
         try:
             with running(job):
                 if self.task.takes_context:
@@ -284,11 +360,14 @@ class DjangoTask:
                     traceback="".join(traceback.format_exception(exc)),
                 )
             )
-            _finish(result, TaskResultStatus.FAILED)
-            _signals.task_finished.send(type(self.backend), task_result=result)
+            retried = retries and self.retry_policy(get_settings()).decide(exc, job.attempt).retry
+            _finish(result, TaskResultStatus.READY if retried else TaskResultStatus.FAILED)
+            # Inside the except block: the framework's handler logs exc_info.
+            _send(_signals.task_finished, type(self.backend), result)
             raise
+        object.__setattr__(result, "_return_value", value)
         _finish(result, TaskResultStatus.SUCCESSFUL)
-        _signals.task_finished.send(type(self.backend), task_result=result)
+        _send(_signals.task_finished, type(self.backend), result)
         return value
 
     def retry_policy(self, settings: DeferredSettings) -> RetryPolicy:
@@ -333,8 +412,11 @@ def resolve_django_task(job: Job) -> DjangoTask:
         raise UnknownTask(
             f"TASKS[{job.backend!r}] is {type(backend).__name__} here, not RabbitMQBackend."
         )
+    # The job holds its DEFERRED queue; "default" is how a task names the
+    # default one when the backend's QUEUES do not list it by name.
+    queue_name = job.queue if job.queue in backend.queues else DEFAULT_TASK_QUEUE_NAME
     try:
-        task = found.using(backend=job.backend, queue_name=job.queue)
+        task = found.using(backend=job.backend, queue_name=queue_name)
     except InvalidTask as exc:
         raise UnknownTask(f"django.tasks task {job.task!r} cannot run here: {exc}") from None
     return DjangoTask(task, backend)

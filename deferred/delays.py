@@ -24,9 +24,17 @@ def exact_delay_ms(delay: object, now: datetime) -> Fraction:
     """The delay in (possibly fractional) milliseconds, validated.
 
     ``delay`` is seconds (int, float or Decimal), a ``timedelta``, or an aware
-    ``datetime`` meaning "at that time"; a time in the past means "now".
+    ``datetime`` meaning "at that time"; a time in the past means "now". A
+    naive ``datetime`` is ambiguous and refused, except under Django's
+    ``USE_TZ = False``, where ``timezone.now()`` itself is naive and Django
+    reads such times in ``TIME_ZONE``.
     """
     if isinstance(delay, datetime):
+        if (delay.tzinfo is None or delay.utcoffset() is None) and not _uses_tz():
+            # As everywhere in Django with USE_TZ = False: a local time in TIME_ZONE.
+            from django.utils import timezone
+
+            delay = timezone.make_aware(delay)
         if delay.tzinfo is None or delay.utcoffset() is None:
             raise InvalidDelay(
                 f"The datetime {delay.isoformat()} is naive: pass an aware datetime "
@@ -86,3 +94,10 @@ def capped_delay_ms(delay: object, *, now: datetime, resolution_ms: int, max_del
     """
     exact = min(exact_delay_ms(delay, now), Fraction(max_delay_ms))
     return math.ceil(exact / resolution_ms) * resolution_ms
+
+
+def _uses_tz() -> bool:
+    """Django's ``USE_TZ``; true (naive times refused) outside a configured project."""
+    from django.conf import settings
+
+    return not settings.configured or bool(settings.USE_TZ)

@@ -26,8 +26,12 @@ if TYPE_CHECKING:
 class Runnable(Protocol):
     """A job's function, ready to run."""
 
-    def run(self, job: Job, worker_id: str) -> Any:
-        """Run one attempt of ``job``; raise what the function raised."""
+    def run(self, job: Job, worker_id: str, *, retries: bool = True) -> Any:
+        """Run one attempt of ``job``; raise what the function raised.
+
+        ``retries`` says whether a failure of this attempt may be retried
+        (false in the test modes, which never retry).
+        """
 
     def retry_policy(self, settings: DeferredSettings) -> RetryPolicy:
         """How failed attempts of this job are retried."""
@@ -39,7 +43,7 @@ class RegisteredTask:
 
     task: Task[..., Any]
 
-    def run(self, job: Job, worker_id: str) -> Any:
+    def run(self, job: Job, worker_id: str, *, retries: bool = True) -> Any:
         with running(job):
             return self.task.func(*job.args, **job.kwargs)
 

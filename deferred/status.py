@@ -395,6 +395,13 @@ def format_duration(ms: int) -> str:
     return f"{big} {name}" + (f" {small} {small_name}" if small else "")
 
 
+#: What to do about a topology that is not on the broker, whoever declares it.
+NOT_DECLARED_HINT = (
+    "run declare_delay_topology, or with DECLARE off apply what its "
+    "--format definitions or --format terraform prints"
+)
+
+
 def render_text(snapshot: Snapshot) -> str:
     """The snapshot as ``deferred_status`` prints it."""
 
@@ -420,7 +427,7 @@ def render_text(snapshot: Snapshot) -> str:
         state = "current" if topology.current else "old, draining"
         lines += ["", f"topology {topology.topology} ({state}): "]
         if topology.pending is None:
-            lines[-1] += "not on the broker (run declare_delay_topology)"
+            lines[-1] += f"not on the broker ({NOT_DECLARED_HINT})"
             continue
         lines[-1] += f"{topology.pending} job(s) pending"
         for level in topology.levels:

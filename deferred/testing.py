@@ -39,8 +39,16 @@ from deferred.tasks import Task
 class CapturedJobs(list[Job]):
     """The jobs deferred inside ``capture()``, in the order they were deferred."""
 
-    def for_task(self, task: Task[..., Any] | str) -> list[Job]:
-        name = task if isinstance(task, str) else task.name
+    def for_task(self, task: Task[..., Any] | str | Any) -> list[Job]:
+        """The jobs of one task: a ``@deferred.task``, a django.tasks task, or a name."""
+        if isinstance(task, str):
+            name = task
+        elif isinstance(task, Task):
+            name = task.name
+        elif isinstance(getattr(task, "module_path", None), str):
+            name = task.module_path  # a django.tasks task: jobs name it by its path
+        else:
+            raise TypeError(f"for_task() takes a task or a task name, not {task!r}.")
         return [job for job in self if job.task == name]
 
     def run(self, max_rounds: int = 100) -> None:
@@ -68,7 +76,8 @@ class CapturedJobs(list[Job]):
 def run_job(job: Job) -> Any:
     """Run ``job``'s task inline, as the worker would: JSON arguments, ``current_job()`` set."""
     data = json.loads(job.encode())
-    return resolve(job).run(replace(job, args=tuple(data["args"]), kwargs=data["kwargs"]), "eager")
+    inline = replace(job, args=tuple(data["args"]), kwargs=data["kwargs"])
+    return resolve(inline).run(inline, "eager", retries=False)
 
 
 @contextmanager

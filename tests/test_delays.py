@@ -51,6 +51,17 @@ def test_naive_datetime_is_a_value_error():
         ms(datetime(2026, 1, 1, 12, 0))
 
 
+def test_without_use_tz_a_naive_datetime_is_a_local_time_in_time_zone():
+    # USE_TZ = False: timezone.now() is naive, so "now + 5 s" must be accepted,
+    # and read in TIME_ZONE (UTC+1 here: 13:00:05 local is 12:00:05 UTC).
+    from django.test import override_settings
+
+    with override_settings(USE_TZ=False, TIME_ZONE="Europe/Paris"):
+        assert ms(datetime(2026, 1, 1, 13, 0, 5)) == 5_000
+    with pytest.raises(InvalidDelay, match="naive"):
+        ms(datetime(2026, 1, 1, 13, 0, 5))  # USE_TZ = True again
+
+
 def test_above_the_maximum_is_a_value_error():
     assert ms(10, max_delay_ms=10_000) == 10_000
     with pytest.raises(InvalidDelay, match="MAX_DELAY"):

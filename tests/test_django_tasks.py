@@ -21,7 +21,7 @@ from deferred.failures import list_failed
 from deferred.jobs import Job, new_job_id
 from deferred.publishing import publish
 from tests.conftest import depth, total_waiting, wait_for
-from tests.testapp.framework_tasks import email_users, flaky, note, note_async
+from tests.testapp.framework_tasks import double, email_users, flaky, note, note_async
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -45,7 +45,7 @@ def test_the_backend_says_what_it_supports():
 def test_what_it_cannot_honour_is_refused_with_the_frameworks_exceptions(clean):
     with pytest.raises(InvalidTask, match="priority"):
         email_users.using(priority=10)
-    with pytest.raises(InvalidTask, match="not valid for backend"):
+    with pytest.raises(InvalidTask, match=r"not in DEFERRED\[.QUEUES.\]"):
         email_users.using(queue_name="nowhere")
     with pytest.raises(InvalidTask, match="aware"):
         email_users.using(run_after=datetime(2030, 1, 1)).enqueue(["a@example.com"], "s", "m")
@@ -157,12 +157,15 @@ def test_async_tasks_run(clean, run_worker, tmp_path):
 def test_a_task_that_takes_a_context_gets_the_attempt_number(clean, run_worker, tmp_path):
     path = tmp_path / "attempts.jsonl"
     events: list[tuple[str, str, int]] = []
+    returned: list[object] = []
 
     def started(sender, task_result, **kwargs):
         events.append(("started", str(task_result.status), task_result.attempts))
 
     def finished(sender, task_result, **kwargs):
         events.append(("finished", str(task_result.status), task_result.attempts))
+        if task_result.status == "SUCCESSFUL":
+            returned.append(task_result.return_value)
 
     _signals.task_started.connect(started)
     _signals.task_finished.connect(finished)
@@ -183,20 +186,34 @@ def test_a_task_that_takes_a_context_gets_the_attempt_number(clean, run_worker, 
         _signals.task_finished.disconnect(finished)
     assert [line["attempt"] for line in lines(path)] == [1, 2, 3]
     assert {line["id"] for line in lines(path)} == {result.id}
+    # An attempt that will be retried is READY ("ready to be executed again"),
+    # not FAILED: the framework's handler would log it as a failed task.
     assert events == [
         ("started", "RUNNING", 1),
-        ("finished", "FAILED", 1),
+        ("finished", "READY", 1),
         ("started", "RUNNING", 2),
-        ("finished", "FAILED", 2),
+        ("finished", "READY", 2),
         ("started", "RUNNING", 3),
         ("finished", "SUCCESSFUL", 3),
     ]
+    assert returned == [3]  # the task's return value, as the framework's backends give it
 
 
 def test_a_failing_task_goes_to_the_failed_queue_with_its_job_id(clean, run_worker, tmp_path):
+    finished: list[tuple[str, list[str]]] = []
+
+    def on_finished(sender, task_result, **kwargs):
+        paths = [error.exception_class_path for error in task_result.errors]
+        finished.append((str(task_result.status), paths))
+
     run_worker()
-    result = flaky.enqueue(str(tmp_path / "a.jsonl"), 5)  # no retries by default
-    assert wait_for(lambda: list_failed(get_settings()), 10)
+    _signals.task_finished.connect(on_finished)
+    try:
+        result = flaky.enqueue(str(tmp_path / "a.jsonl"), 5)  # no retries by default
+        assert wait_for(lambda: list_failed(get_settings()), 10)
+    finally:
+        _signals.task_finished.disconnect(on_finished)
+    assert finished == [("FAILED", ["builtins.RuntimeError"])]
     (entry,) = list_failed(get_settings())
     assert entry.id == result.id
     assert entry.reason == "task_error"
@@ -239,13 +256,89 @@ def test_capture_and_eager_modes_take_django_tasks_too(tmp_path):
     path = tmp_path / "notes.jsonl"
     with testing.capture() as jobs:
         note.enqueue(str(path), "captured")
-    assert [job.task for job in jobs] == ["tests.testapp.framework_tasks.note"]
+        double.enqueue(4)
+    assert [job.task for job in jobs] == [
+        "tests.testapp.framework_tasks.note",
+        "tests.testapp.framework_tasks.double",
+    ]
+    assert [job.args for job in jobs.for_task(note)] == [(str(path), "captured")]
+    assert [job.args for job in jobs.for_task(double)] == [(4,)]
+    assert jobs.for_task(email_users) == []
+    with pytest.raises(TypeError, match="takes a task or a task name"):
+        jobs.for_task(42)
     assert not path.exists()
     jobs.run()
     assert [line["label"] for line in lines(path)] == ["captured"]
     with testing.eager():
         note.enqueue(str(path), "eager")
+        result = double.enqueue(21)
     assert [line["label"] for line in lines(path)][-1] == "eager"
+    # Run inline, as with Django's ImmediateBackend: the result is finished.
+    assert result.status == "SUCCESSFUL"
+    assert result.return_value == 42
+    assert result.is_finished
+
+
+def test_under_eager_a_failing_task_raises_and_its_result_is_failed(tmp_path):
+    results = []
+
+    def on_finished(sender, task_result, **kwargs):
+        results.append(task_result)
+
+    _signals.task_finished.connect(on_finished)
+    try:
+        with testing.eager(), pytest.raises(RuntimeError, match="attempt 1 fails"):
+            flaky.enqueue(str(tmp_path / "a.jsonl"), 1)
+    finally:
+        _signals.task_finished.disconnect(on_finished)
+    # eager() never retries, so the attempt is FAILED, not READY.
+    assert [str(r.status) for r in results] == ["FAILED"]
+
+
+def test_a_task_enqueued_receiver_that_raises_loses_no_job(clean, raw_channel, tmp_path, caplog):
+    # Inside atomic(), each job waits for its own on-commit callback; a receiver
+    # that raised used to stop Django from running the later ones.
+    def broken(sender, task_result, **kwargs):
+        raise RuntimeError("receiver bug")
+
+    _signals.task_enqueued.connect(broken)
+    try:
+        with transaction.atomic():
+            first = note.enqueue(str(tmp_path / "n.jsonl"), "first")
+            second = note.enqueue(str(tmp_path / "n.jsonl"), "second")
+        # Outside atomic(): published at once, and no exception tells the caller
+        # to enqueue again (which would duplicate the job).
+        third = note.enqueue(str(tmp_path / "n.jsonl"), "third")
+    finally:
+        _signals.task_enqueued.disconnect(broken)
+    ready = clean.ready_queues["other"].name
+    assert wait_for(lambda: depth(raw_channel, ready) == 3, 5), depth(raw_channel, ready)
+    logged = [r for r in caplog.records if r.name == "deferred.backends"]
+    assert {r.getMessage().split("(job ")[1][:32] for r in logged} == {
+        first.id,
+        second.id,
+        third.id,
+    }
+    assert all("task_enqueued" in r.getMessage() and r.exc_info for r in logged)
+
+
+def test_a_task_that_names_no_queue_goes_to_deferreds_default_queue():
+    # DEFERRED without a queue named "default": @task's default queue_name
+    # means DEFERRED's default queue (the first), as for defer().
+    from deferred.backends import resolve_django_task
+
+    tasks_setting = {"default": {"BACKEND": "deferred.backends.RabbitMQBackend"}}
+    explicit = {"default": {"BACKEND": "deferred.backends.RabbitMQBackend", "QUEUES": ["default"]}}
+    for setting in (tasks_setting, explicit):
+        with override_settings(DEFERRED={"QUEUES": ["other"]}, TASKS=setting):
+            with testing.capture() as jobs:
+                double.enqueue(1)
+            (job,) = jobs
+            assert job.queue == "other"
+            found = resolve_django_task(job)  # what the worker does with it
+            assert found.task.func is double.func
+            with pytest.raises(InvalidTask, match=r"not in DEFERRED\['QUEUES'\] \['other'\]"):
+                email_users.using(queue_name="billing")
 
 
 def test_a_backend_queue_outside_deferred_queues_fails_the_system_check():

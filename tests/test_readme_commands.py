@@ -22,7 +22,9 @@ from pathlib import Path
 import pytest
 
 from deferred.broker import admin_channel
-from deferred.topology import build_plan
+from deferred.conf import _build
+from deferred.topology import plan_topology
+from demo_project import settings as demo_settings
 from tests.conftest import ROOT, wait_for
 
 pytestmark = pytest.mark.slow
@@ -104,14 +106,13 @@ def test_demo_command_from_a_fresh_clone(tmp_path: Path, broker_url: str) -> Non
             demo.wait(60)
         except subprocess.TimeoutExpired:
             os.killpg(demo.pid, signal.SIGKILL)
-        plan = build_plan(
-            prefix=prefix,
-            radix=2,
-            resolution_ms=1,
-            max_delay_ms=315_360_000_000,
-            queue_type="classic",
-            queues=("default",),
-        )
+        # The demo's own DEFERRED, defaults included: a plan written out here
+        # went stale when a default changed and left the demo's queues behind.
+        plan = plan_topology(_build({**demo_settings.DEFERRED, "PREFIX": prefix}))
         with admin_channel(broker_url) as admin:
+            declared = admin.queue_exists(plan.ready_queues["default"].name)
             admin.delete_everything(plan)
+            left = len(admin.missing(plan)) < len(plan.all_exchanges) + len(plan.all_queues)
     assert "Worker stopped." in log.read_text()
+    assert declared, "the plan deleted is not the one the demo declared"
+    assert not left, "the demo's topology is still on the broker"

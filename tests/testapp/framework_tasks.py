@@ -25,6 +25,12 @@ def flaky(context, path, failures):
         f.write(json.dumps({"attempt": context.attempt, "id": context.task_result.id}) + "\n")
     if context.attempt <= failures:
         raise RuntimeError(f"attempt {context.attempt} fails")
+    return context.attempt
+
+
+@task
+def double(n):
+    return 2 * n
 
 
 @task(queue_name="other")
