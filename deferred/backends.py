@@ -193,7 +193,7 @@ class RabbitMQBackend(BaseTaskBackend):  # type: ignore[misc]
                 wait_ms,
                 on_commit=self.on_commit,
                 settings=settings,
-                on_published=partial(_send, _signals.task_enqueued, type(self), result),
+                on_published=partial(_send, "task_enqueued", type(self), result),
                 body=body,
             )
         finally:
@@ -261,7 +261,7 @@ def _target_queue(queue_name: str, configured: tuple[str, ...]) -> str | None:
     return None
 
 
-def _send(signal: Any, sender: type, result: Any) -> None:
+def _send(name: str, sender: type, result: Any) -> None:
     """Send a framework signal; a receiver that raises is logged, never fatal.
 
     By the time ``task_enqueued`` is sent the job is on the broker, and other
@@ -270,22 +270,15 @@ def _send(signal: Any, sender: type, result: Any) -> None:
     retry (and so duplicate) a job that was published. Likewise a job's
     outcome is its function's, not a receiver's.
     """
-    for receiver, response in signal.send_robust(sender, task_result=result):
+    for receiver, response in getattr(_signals, name).send_robust(sender, task_result=result):
         if isinstance(response, Exception):
             logger.error(
                 "A receiver of django.tasks' %s signal raised (job %s): %s",
-                _signal_name(signal),
+                name,
                 result.id,
                 receiver,
                 exc_info=response,
             )
-
-
-def _signal_name(signal: Any) -> str:
-    for name in ("task_enqueued", "task_started", "task_finished"):
-        if getattr(_signals, name) is signal:
-            return name
-    return "task"
 
 
 def _configured_queues() -> tuple[str, ...]:
@@ -345,7 +338,7 @@ class DjangoTask:
                 errors=[],
                 **fields,
             )
-        _send(_signals.task_started, type(self.backend), result)
+        _send("task_started", type(self.backend), result)
         try:
             with running(job):
                 if self.task.takes_context:
@@ -363,11 +356,11 @@ class DjangoTask:
             retried = retries and self.retry_policy(get_settings()).decide(exc, job.attempt).retry
             _finish(result, TaskResultStatus.READY if retried else TaskResultStatus.FAILED)
             # Inside the except block: the framework's handler logs exc_info.
-            _send(_signals.task_finished, type(self.backend), result)
+            _send("task_finished", type(self.backend), result)
             raise
         object.__setattr__(result, "_return_value", value)
         _finish(result, TaskResultStatus.SUCCESSFUL)
-        _send(_signals.task_finished, type(self.backend), result)
+        _send("task_finished", type(self.backend), result)
         return value
 
     def retry_policy(self, settings: DeferredSettings) -> RetryPolicy:
