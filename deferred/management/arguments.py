@@ -1,9 +1,22 @@
-"""Argument types shared by the management commands."""
+"""What the management commands share: argument types and reading DEFERRED."""
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+
+from django.core.exceptions import ImproperlyConfigured
+from django.core.management.base import CommandError
+
+from deferred.conf import DeferredSettings, get_settings
+
+
+def command_settings() -> DeferredSettings:
+    """``DEFERRED``, or a ``CommandError`` saying what is wrong with it (not a traceback)."""
+    try:
+        return get_settings()
+    except ImproperlyConfigured as exc:
+        raise CommandError(str(exc)) from exc
 
 
 def seconds(minimum: float) -> Callable[[str], float]:

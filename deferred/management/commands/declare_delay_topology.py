@@ -5,12 +5,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from deferred import export
 from deferred.broker import Admin, BrokerError, DeclareReport, admin_channel, vhost_of
-from deferred.conf import get_settings
+from deferred.management.arguments import command_settings
 from deferred.topology import Plan, plan_topology, recorded_plan
 
 #: Formats that print the topology as infrastructure code, without the broker.
@@ -55,10 +54,7 @@ class Command(BaseCommand):
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
-        try:
-            settings = get_settings()
-        except ImproperlyConfigured as exc:
-            raise CommandError(str(exc)) from exc
+        settings = command_settings()
         plan = plan_topology(settings)
         fmt = options["format"]
         as_json = fmt == "json"

@@ -6,13 +6,11 @@ import json
 import sys
 from typing import Any
 
-from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from deferred import failures
 from deferred.broker import BrokerError
-from deferred.conf import get_settings
-from deferred.management.arguments import seconds
+from deferred.management.arguments import command_settings, seconds
 
 
 class Command(BaseCommand):
@@ -35,10 +33,7 @@ class Command(BaseCommand):
         purge.add_argument("--yes", action="store_true", help="Do not ask for confirmation.")
 
     def handle(self, *args: Any, **options: Any) -> None:
-        try:
-            settings = get_settings()
-        except ImproperlyConfigured as exc:
-            raise CommandError(str(exc)) from exc
+        settings = command_settings()
         action = options["action"]
         try:
             if action == "list":

@@ -6,13 +6,12 @@ import json
 import time
 from typing import Any
 
-from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from deferred import status
 from deferred.broker import BrokerError
-from deferred.conf import DeferredSettings, get_settings
-from deferred.management.arguments import seconds
+from deferred.conf import DeferredSettings
+from deferred.management.arguments import command_settings, seconds
 
 #: ANSI: cursor home, then clear the screen (what ``watch`` does between frames).
 CLEAR_SCREEN = "\x1b[H\x1b[2J"
@@ -35,10 +34,7 @@ class Command(BaseCommand):
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
-        try:
-            settings = get_settings()
-        except ImproperlyConfigured as exc:
-            raise CommandError(str(exc)) from exc
+        settings = command_settings()
         as_json, every = options["json"], options["watch"]
         if every is None:
             try:
