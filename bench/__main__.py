@@ -1,6 +1,9 @@
 """Run the benchmarks and write ``docs/bench/``: results.json, README.md and plots.
 
-python -m bench [--quick] [--only raw,latency,dispatch,sustained,scale,alternatives,operate]
+python -m bench [--quick] [--only raw,latency,dispatch,sustained,scale,alternatives,operate,cluster]
+
+The cluster scenario runs on the local three-node cluster (scripts/local-cluster.sh),
+which it starts if it does not run (and then stops at the end); --smoke leaves it out.
 """
 
 from __future__ import annotations
@@ -16,7 +19,16 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-SCENARIOS = ["raw", "latency", "dispatch", "sustained", "scale", "alternatives", "operate"]
+SCENARIOS = [
+    "raw",
+    "latency",
+    "dispatch",
+    "sustained",
+    "scale",
+    "alternatives",
+    "operate",
+    "cluster",
+]
 
 
 def parameters(quick: bool, smoke: bool = False) -> dict[str, Any]:
@@ -40,6 +52,7 @@ def parameters(quick: bool, smoke: bool = False) -> dict[str, Any]:
             "alt_polls": [0.2],
             "celery": None,
             "operate": (20, 20, 20),
+            "cluster": None,  # the smoke run needs no cluster
         }
     if quick:
         return {
@@ -59,6 +72,19 @@ def parameters(quick: bool, smoke: bool = False) -> dict[str, Any]:
             "alt_polls": [1.0],
             "operate": (300, 200, 1000),
             "celery": {"eta_pending": 5000, "timeout": None, "rates": [100], "seconds": 3},
+            "cluster": {
+                "rates": [100, 400],
+                "seconds": 3,
+                "failover": {
+                    "repeats": 1,
+                    "kinds": ["worker", "leader"],
+                    "rate": 100,
+                    "max_delay_s": 1.0,
+                    "before_s": 5,
+                    "down_s": 5,
+                    "after_s": 5,
+                },
+            },
         }
     return {
         "raw": 20_000,
@@ -93,12 +119,26 @@ def parameters(quick: bool, smoke: bool = False) -> dict[str, Any]:
             "rates": [100, 300],
             "seconds": 8,
         },
+        "cluster": {
+            "rates": [50, 100, 200, 400],
+            "seconds": 8,
+            "failover": {
+                "repeats": 3,
+                # The node the worker consumes from; the busiest leader of the other two.
+                "kinds": ["worker", "leader"],
+                "rate": 100,
+                "max_delay_s": 1.0,
+                "before_s": 10,
+                "down_s": 15,
+                "after_s": 10,
+            },
+        },
     }
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="small sizes: under 5 minutes")
+    parser.add_argument("--quick", action="store_true", help="small sizes: about 10 minutes")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, for the test suite")
     parser.add_argument("--only", default=",".join(SCENARIOS))
     parser.add_argument("--out", default=str(ROOT / "docs" / "bench"))
@@ -108,7 +148,17 @@ def main(argv: list[str] | None = None) -> int:
     import django
 
     django.setup()
-    from bench import alternatives, dispatch, latency, operate, raw, report, scale, sustained
+    from bench import (
+        alternatives,
+        cluster,
+        dispatch,
+        latency,
+        operate,
+        raw,
+        report,
+        scale,
+        sustained,
+    )
 
     chosen = [s for s in args.only.split(",") if s]
     unknown = set(chosen) - set(SCENARIOS)
@@ -186,6 +236,12 @@ def main(argv: list[str] | None = None) -> int:
         },
     )
     step("operate", lambda: operate.run(*p["operate"]))
+    # Last: it starts three more brokers on this machine (and stops them if it started them).
+    if p["cluster"] is None:
+        if "cluster" in chosen:
+            print("== cluster: skipped (the smoke run needs no cluster)", flush=True)
+    else:
+        step("cluster", lambda: cluster.run(p["cluster"]))
     report.write(results, out_dir)
     print(f"Report: {out_dir / 'README.md'}")
     return 0

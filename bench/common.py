@@ -11,8 +11,9 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,9 @@ from deferred.topology import Plan, plan_topology
 
 ROOT = Path(__file__).resolve().parent.parent
 BROKER_URL = os.environ.get("DEFERRED_BROKER_URL", "amqp://guest:guest@127.0.0.1:5672/%2F")
+#: On a cluster: dead-letters that have not moved for this long count as stuck
+#: (``DEFERRED['STUCK_AFTER']``; 30 s by default, shortened to keep runs short).
+CLUSTER_STUCK_AFTER_S = 10
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -55,30 +59,68 @@ def rss_mb(pid: int) -> float:
     return float("nan")
 
 
-def broker_pid() -> int | None:
-    """The RabbitMQ (Erlang VM) process, if it runs on this machine."""
+def _environ(pid: int) -> dict[str, str] | None:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return None
+    pairs = (item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
+    return dict(pairs)
+
+
+def broker_pids(urls: Iterable[str]) -> list[int]:
+    """The RabbitMQ (Erlang VM) processes on this machine that listen on ``urls``' ports.
+
+    A VM's AMQP port is its ``RABBITMQ_NODE_PORT`` (5672 without one, the
+    system broker): the nodes of ``scripts/local-cluster.sh`` run beside the
+    system broker, and only the VMs of the broker measured may count. Where
+    the environments cannot be read, the first RabbitMQ VM found.
+    """
+    ports = {urllib.parse.urlsplit(url).port or 5672 for url in urls}
     found = subprocess.run(["pgrep", "-f", "beam.smp.*rabbit"], capture_output=True, text=True)
     pids = [int(p) for p in found.stdout.split()]
+    chosen, unreadable = [], False
+    for pid in pids:
+        env = _environ(pid)
+        if env is None:
+            unreadable = True
+        elif int(env.get("RABBITMQ_NODE_PORT") or 5672) in ports:
+            chosen.append(pid)
+    if not chosen and unreadable:
+        return pids[:1]
+    return chosen
+
+
+def broker_pid() -> int | None:
+    """The RabbitMQ (Erlang VM) process of the broker the benchmarks use, if it runs here."""
+    pids = broker_pids([BROKER_URL])
     return pids[0] if pids else None
 
 
 def cpu_seconds(pid: int | None) -> float:
-    """User + system CPU time used so far by ``pid`` (0 if unknown)."""
+    """User + system CPU time used so far by ``pid`` (0 if unknown or gone)."""
     if pid is None:
         return 0.0
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 @contextlib.contextmanager
-def cpu_meter() -> Iterator[dict[str, float]]:
-    """Broker CPU use over the block, in percent of one core."""
-    pid = broker_pid()
-    start_cpu, start = cpu_seconds(pid), time.monotonic()
+def cpu_meter(pids: list[int] | None = None) -> Iterator[dict[str, float]]:
+    """Broker CPU use over the block, in percent of one core (summed over ``pids``:
+    the broker's VMs, by default the one of ``BROKER_URL``)."""
+    if pids is None:
+        pid = broker_pid()
+        pids = [pid] if pid else []
+    start_cpu, start = sum(cpu_seconds(p) for p in pids), time.monotonic()
     out: dict[str, float] = {}
     yield out
     elapsed = time.monotonic() - start
-    out["broker_cpu_pct"] = 100 * (cpu_seconds(pid) - start_cpu) / elapsed if pid else float("nan")
+    used = sum(cpu_seconds(p) for p in pids) - start_cpu
+    out["broker_cpu_pct"] = 100 * used / elapsed if pids else float("nan")
 
 
 @dataclass(frozen=True)
@@ -88,6 +130,11 @@ class Config:
     radix: int = DEFAULTS["RADIX"]
     resolution_s: float = DEFAULTS["RESOLUTION"].total_seconds()
     queue_type: str = DEFAULTS["QUEUE_TYPE"]
+    #: The nodes of a cluster, in the order they are tried; empty: the one
+    #: broker of ``BROKER_URL``.
+    broker_urls: tuple[str, ...] = ()
+    #: The cluster's management API (stuck dead-letters, leaders); empty: the default.
+    management_urls: tuple[str, ...] = ()
 
     @property
     def label(self) -> str:
@@ -96,19 +143,32 @@ class Config:
             if self.resolution_s < 1
             else f"{self.resolution_s:g}s"
         )
-        return f"r{self.radix}/{res}/{self.queue_type}"
+        nodes = f"/{len(self.broker_urls)} nodes" if len(self.broker_urls) > 1 else ""
+        return f"r{self.radix}/{res}/{self.queue_type}{nodes}"
+
+    @property
+    def urls(self) -> tuple[str, ...]:
+        return self.broker_urls or (BROKER_URL,)
 
     def env(self, prefix: str) -> dict[str, str]:
-        return {
+        env = {
             "BENCH_PREFIX": prefix,
             "BENCH_RADIX": str(self.radix),
             "BENCH_RESOLUTION_S": str(self.resolution_s),
             "BENCH_QUEUE_TYPE": self.queue_type,
         }
+        if self.broker_urls:
+            env["BENCH_BROKER_URLS"] = ",".join(self.broker_urls)
+            # The bench counts stuck dead-letters, then repairs them itself.
+            env["BENCH_STUCK_AFTER_S"] = str(CLUSTER_STUCK_AFTER_S)
+            env["BENCH_REPAIR_STUCK"] = "0"
+        if self.management_urls:
+            env["BENCH_MANAGEMENT_URLS"] = ",".join(self.management_urls)
+        return env
 
     def deferred_settings(self, prefix: str) -> dict[str, Any]:
-        return {
-            "BROKER_URL": BROKER_URL,
+        settings: dict[str, Any] = {
+            "BROKER_URL": list(self.broker_urls) if self.broker_urls else BROKER_URL,
             "PREFIX": prefix,
             "RADIX": self.radix,
             "RESOLUTION": self.resolution_s,
@@ -116,6 +176,12 @@ class Config:
             "MAX_DELAY": 400 * 86400,
             "ON_COMMIT": False,
         }
+        if self.broker_urls:
+            settings["STUCK_AFTER"] = CLUSTER_STUCK_AFTER_S
+            settings["REPAIR_STUCK"] = False
+        if self.management_urls:
+            settings["MANAGEMENT_URL"] = list(self.management_urls)
+        return settings
 
 
 @contextlib.contextmanager
@@ -128,7 +194,7 @@ def topology(config: Config) -> Iterator[tuple[str, Plan]]:
         try:
             yield prefix, plan
         finally:
-            with admin_channel(BROKER_URL) as admin:
+            with admin_channel(config.urls) as admin:
                 admin.delete_everything(plan)
 
 

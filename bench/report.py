@@ -54,6 +54,7 @@ def write(results: dict[str, Any], out: Path) -> None:
     lines += _scale(results, plots)
     lines += _alternatives(results)
     lines += _operate(results)
+    lines += _cluster(results, plots)
     (out / "README.md").write_text("\n".join(lines) + "\n")
 
 
@@ -362,6 +363,145 @@ def _operate(r: dict[str, Any]) -> list[str]:
     ]
 
 
+def _cluster(r: dict[str, Any], plots: dict[str, str]) -> list[str]:
+    c = r.get("cluster")
+    if not c:
+        return []
+    lines = [
+        "## Cluster: three nodes, quorum queues, a node killed",
+        "",
+        "Three RabbitMQ nodes of `scripts/local-cluster.sh` (AMQP on 127.0.0.1:5681-5683) run "
+        "on the same machine as the single broker on 5672, so all of them share its "
+        f"{r.get('meta', {}).get('cpus', '?')} cores. The library's defaults (radix 16, 1 ms), "
+        '`QUEUE_TYPE = "quorum"` (a replica on each node, leaders spread by '
+        "`x-queue-leader-locator: balanced`), `BROKER_URL` listing the three nodes. The cluster "
+        f"{'was started for this run' if c.get('started_cluster') else 'was already running'}"
+        f"; the scenario took {_f(r.get('cluster_seconds'), 0)} s.",
+        "",
+    ]
+    points = c.get("points", [])
+    if points:
+        lines += [
+            f"### Sustained rate: the cluster beside one node (delays {c['mix']})",
+            "",
+            "As section 4 (one worker process, concurrency 4; 4 producer threads; 200 warm-up "
+            f"jobs left out), {c['seconds']} s per point, in the same run. Broker CPU is summed "
+            "over the cluster's three Erlang VMs (percent of one core).",
+            "",
+            "| broker | queues | offered/s | achieved/s | p50 ms | p99 ms | max ms | early | "
+            "lost | broker CPU |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for p in points:
+            lat = p["lateness_ms"]
+            nodes = p.get("nodes", 1)
+            lines.append(
+                f"| {'3 nodes' if nodes > 1 else 'single node'} | {p.get('queue_type', '?')} | "
+                f"{_f(p['offered_per_s'], 0)} | {_f(p['achieved_per_s'], 0)} | "
+                f"{_f(lat['p50'])} | {_f(lat['p99'])} | {_f(lat['max'])} | {p['early']} | "
+                f"{p['jobs'] - p['ran']} | {_f(p.get('broker_cpu_pct'), 0)}% |"
+            )
+        lines.append("")
+    runs = c.get("failover", [])
+    if runs:
+        fp = c.get("failover_parameters", {})
+        lines += [
+            "### Failover: a node SIGKILLed under a steady stream of jobs",
+            "",
+            "A worker subprocess (concurrency 4) runs the jobs that "
+            f"{fp.get('producers')} producer threads defer at {_f(fp.get('rate'), 0)} jobs/s "
+            f"in all, delays uniform 0-{_f(fp.get('max_delay_s'), 0)} s, on a fresh quorum "
+            "topology. After "
+            f"{_f(fp.get('before_s'), 0)} s the bench SIGKILLs one node's Erlang VM; "
+            f"{_f(fp.get('down_s'), 0)} s later it starts it again (`local-cluster.sh "
+            "start-node`, which returns once the node is back in the cluster), and the "
+            f"producers go on for {_f(fp.get('after_s'), 0)} s more. Each repeat starts the "
+            "clients on another node (the URL list rotated). Two kinds of kill:",
+            "",
+            "- **worker's node**: the node the worker consumes from, which is also the one the "
+            "producers publish to: both must fail over.",
+            "- **leader**: of the two other nodes, the one leading more of the topology's "
+            "queues; the clients keep their connections, the queues it led elect new leaders.",
+            "",
+            "*Next run*: from the kill to the first job run after it. *Longest pause*: the longest "
+            "time without any job run, from 1 s before the kill until the producers stop. "
+            "*Raised*: `defer()` calls that raised (`BrokerUnavailable` or its `PublishRefused`), "
+            "with the longest call. *Lost*: jobs whose `defer()` returned an id and that never "
+            "ran, counted after the node is back and after `deferred_repair`. *Stuck*: jobs "
+            "stranded as at-least-once dead-letters in a quorum delay queue (a RabbitMQ bug after "
+            "a leader change, see the main README), released by `deferred_repair`, which the "
+            "bench runs once the stuck rule (`STUCK_AFTER` = 10 s here) sees them; they are "
+            "left out of the lateness columns and shown with their own. *Lateness after the "
+            "kill*: jobs due from the kill on, not stuck.",
+            "",
+            "| # | killed | kind | its leaders | down s | worker went to | next run s | "
+            "longest pause s | raised | longest `defer()` s | jobs | lost | dup. | early | "
+            "stuck (late s) | lateness after the kill p50 / p99 / max ms |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for run in runs:
+            lat = run["lateness_after_kill_ms"]
+            kind = "worker's node" if run["kind"] == "worker" else "leader"
+            went = [n.split("@")[0] for n in run.get("worker_nodes", [])]
+            stuck = run["stuck_jobs"]
+            stuck_text = str(stuck)
+            if stuck:
+                late = run["stuck_lateness_ms"]
+                stuck_text += f" ({_f(late['p50'] / 1000, 0)}-{_f(late['max'] / 1000, 0)})"
+            if run.get("stuck_dead_letters", 0) != stuck:
+                stuck_text += f"; {run['stuck_dead_letters']} dead-letters"
+            lines.append(
+                f"| {run['repeat']} | {run['victim'].split('@')[0]} | {kind} | "
+                f"{run['victim_leads']}/{run['queues']}"
+                f"{' (most)' if run.get('victim_leads_most') else ''} | {_f(run['down_s'])} | "
+                f"{' -> '.join(went) if len(went) > 1 else 'stayed'} | "
+                f"{_f(run['next_run_s'], 2)} | {_f(run['longest_pause_s'], 2)} | "
+                f"{run['raised']} | {_f(run['defer_ms']['max'] / 1000, 1)} | "
+                f"{run['deferred']:,} | {run['lost']} | {run['duplicates']} | {run['early']} | "
+                f"{stuck_text} | {_f(lat['p50'], 0)} / {_f(lat['p99'], 0)} / "
+                f"{_f(lat['max'], 0)} |"
+            )
+        lines.append("")
+        raised = [run for run in runs if run["raised"]]
+        if raised:
+            lines.append(
+                "Calls that raised, per run (`[started s after the kill, took s]`): "
+                + "; ".join(
+                    f"{run['repeat']} {run['victim'].split('@')[0]} "
+                    f"{', '.join(sorted(set(run['raised_errors'])))} "
+                    f"{run['raised_calls']}"
+                    + (f", {run['raised_ran']} of them ran anyway" if run["raised_ran"] else "")
+                    for run in raised
+                )
+                + "."
+            )
+            lines.append("")
+        repairs = [run for run in runs if run.get("repair")]
+        if repairs:
+            lines.append(
+                "`deferred_repair` (forced leader elections, method "
+                + ", ".join(sorted({m for run in repairs for m in run["repair"]["methods"]}))
+                + "): "
+                + "; ".join(
+                    f"run {run['repeat']} {run['victim'].split('@')[0]}: "
+                    f"{run['repair']['queues']} queue(s), {run['repair']['released']} released"
+                    f" in {_f(run['repair']['repair_seconds'])} s"
+                    + (
+                        f", {run['repair']['stuck_dead_letters_after']} still stuck after"
+                        if run["repair"].get("stuck_dead_letters_after")
+                        else ""
+                    )
+                    + (f" ({run['repair']['problem']})" if run["repair"].get("problem") else "")
+                    for run in repairs
+                )
+                + "."
+            )
+            lines.append("")
+    if "cluster" in plots:
+        lines += [f"![the cluster: sustained rate and failover]({plots['cluster']})", ""]
+    return lines
+
+
 def _plots(r: dict[str, Any], out: Path) -> dict[str, str]:
     try:
         import matplotlib
@@ -417,4 +557,46 @@ def _plots(r: dict[str, Any], out: Path) -> dict[str, str]:
         fig.savefig(out / "scale_worker_rss.png", dpi=100)
         plt.close(fig)
         made["scale"] = "scale_worker_rss.png"
+    c = r.get("cluster")
+    if c and (c.get("points") or c.get("failover")):
+        fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+        points = c.get("points", [])
+        for label in sorted({p["config"] for p in points}):
+            mine = [p for p in points if p["config"] == label]
+            left.plot(
+                [p["achieved_per_s"] for p in mine],
+                [p["lateness_ms"]["p99"] for p in mine],
+                marker="o",
+                label=label,
+            )
+        left.set_yscale("log")
+        left.set_xlabel(f"achieved jobs/s (delays {c.get('mix', '')})")
+        left.set_ylabel("p99 lateness (ms)")
+        left.set_title("sustained: 3 nodes against 1", fontsize=9)
+        if points:
+            left.legend(fontsize=7)
+        for run in c.get("failover", []):
+            timeline = run.get("timeline", [])
+            kind = "worker's node" if run["kind"] == "worker" else "leader"
+            # One point per bin, a break where no job was due (producers held up).
+            worst = {round(t / 0.5): max(m, 0.1) for t, _n, _p50, m in timeline}
+            keys = range(min(worst, default=0), max(worst, default=-1) + 1)
+            line = right.plot(
+                [k * 0.5 + 0.25 for k in keys],
+                [worst.get(k, float("nan")) for k in keys],
+                linewidth=1,
+                label=f"{run['repeat']}: {run['victim'].split('@')[0]} ({kind})",
+            )
+            right.axvline(run["down_s"], color=line[0].get_color(), linestyle=":", linewidth=0.8)
+        right.axvline(0, color="black", linewidth=0.8)
+        right.set_yscale("log")
+        right.set_xlabel("due time, s after the SIGKILL (dotted: node back)")
+        right.set_ylabel("max lateness per 0.5 s (ms), stuck jobs excluded")
+        right.set_title("failover: a node killed at 0", fontsize=9)
+        if c.get("failover"):
+            right.legend(fontsize=6)
+        fig.tight_layout()
+        fig.savefig(out / "cluster.png", dpi=100)
+        plt.close(fig)
+        made["cluster"] = "cluster.png"
     return made

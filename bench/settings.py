@@ -18,8 +18,12 @@ DATABASES = {
 }
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
+_CLUSTER_URLS = os.environ.get("BENCH_BROKER_URLS")  # a cluster's nodes, comma-separated
+
 DEFERRED = {
-    "BROKER_URL": os.environ.get("DEFERRED_BROKER_URL", "amqp://guest:guest@127.0.0.1:5672/%2F"),
+    "BROKER_URL": _CLUSTER_URLS.split(",")
+    if _CLUSTER_URLS
+    else os.environ.get("DEFERRED_BROKER_URL", "amqp://guest:guest@127.0.0.1:5672/%2F"),
     "PREFIX": os.environ.get("BENCH_PREFIX", "deferred-bench"),
     "RADIX": int(os.environ.get("BENCH_RADIX", "2")),
     "RESOLUTION": float(os.environ.get("BENCH_RESOLUTION_S", "0.001")),
@@ -27,6 +31,12 @@ DEFERRED = {
     "MAX_DELAY": 400 * 86400,
     "ON_COMMIT": False,
 }
+if os.environ.get("BENCH_MANAGEMENT_URLS"):
+    DEFERRED["MANAGEMENT_URL"] = os.environ["BENCH_MANAGEMENT_URLS"].split(",")
+if os.environ.get("BENCH_STUCK_AFTER_S"):
+    DEFERRED["STUCK_AFTER"] = float(os.environ["BENCH_STUCK_AFTER_S"])
+if os.environ.get("BENCH_REPAIR_STUCK"):
+    DEFERRED["REPAIR_STUCK"] = os.environ["BENCH_REPAIR_STUCK"] == "1"
 
 # The django.tasks backend, for the operate scenario.
 TASKS = {"default": {"BACKEND": "deferred.backends.RabbitMQBackend"}}

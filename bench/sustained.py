@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from bench.common import Config, Worker, cpu_meter, summary, topology
+from bench.common import Config, Worker, broker_pids, cpu_meter, summary, topology
 from bench.tasks import noop
 from deferred import defer
 from deferred.topology import Plan
@@ -98,7 +98,7 @@ def run_point(
         worker = Worker(config, prefix, concurrency)
         warm = _warm_up(delay_of)
         delays: list[float] = []
-        with cpu_meter() as cpu:
+        with cpu_meter(broker_pids(config.urls)) as cpu:
             achieved = _produce(rate, seconds, delay_of, threads=4, delays=delays)
             # Let the last jobs come due and run.
             time.sleep(max(delays, default=0) + 1.0)
