@@ -8,7 +8,7 @@ def send_reminder(reminder_id): ...
 defer(send_reminder, timedelta(hours=24), reminder.pk)
 """
 
-from deferred.broker import BrokerError, BrokerUnavailable, TopologyNotDeclared
+from deferred.broker import BrokerError, BrokerUnavailable, PublishRefused, TopologyNotDeclared
 from deferred.context import current_job
 from deferred.publishing import defer, defer_many
 from deferred.retries import Exponential, Retry
@@ -20,6 +20,7 @@ __all__ = [
     "BrokerError",
     "BrokerUnavailable",
     "Exponential",
+    "PublishRefused",
     "Retry",
     "Task",
     "TopologyNotDeclared",

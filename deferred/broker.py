@@ -13,19 +13,17 @@ say what to do, so nothing outside this module needs to know pika.
 
 from __future__ import annotations
 
-import base64
 import json
 import logging
 import os
+import re
 import threading
-import urllib.error
-import urllib.parse
-import urllib.request
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import lru_cache, partial
-from typing import Any
+from typing import Any, NoReturn
 
 import pika
 import pika.exceptions as px
@@ -41,7 +39,19 @@ PRECONDITION_FAILED = 406
 
 
 class BrokerError(Exception):
-    """Something went wrong talking to RabbitMQ."""
+    """Something went wrong talking to RabbitMQ.
+
+    Raised by ``defer()`` and ``defer_many()``, it carries the job ids of the
+    call (``job_id``, ``job_ids``). After a timeout or a lost connection the
+    outcome is unknown, since the broker may have taken a job whose confirm was
+    lost: the id is how to find it (it runs at most once more than expected,
+    never silently lost).
+    """
+
+    #: The id of the job ``defer()`` was publishing (the first one for ``defer_many()``).
+    job_id: str | None = None
+    #: Every job id of the call, in order.
+    job_ids: tuple[str, ...] = ()
 
 
 class BrokerUnavailable(BrokerError):
@@ -56,8 +66,12 @@ class TopologyConflict(BrokerError):
     """A queue or exchange exists with other arguments than the plan's."""
 
 
-class PublishRefused(BrokerError):
-    """The broker refused a message (negative confirm), e.g. a full queue."""
+class PublishRefused(BrokerUnavailable):
+    """The broker kept refusing a message (negative confirms) until the deadline.
+
+    A quorum queue refuses while it has no leader, e.g. for the seconds after
+    a node is lost; nothing of a refused publish was taken.
+    """
 
 
 _CONNECTION_ERRORS = (px.AMQPConnectionError, px.ChannelWrongStateError, ConnectionError, OSError)
@@ -69,32 +83,170 @@ _NOT_DECLARED_HINT = (
 )
 
 
-#: How long a publish may wait while RabbitMQ blocks publishers (memory or disk
-#: alarm) before failing, unless the URL sets ``blocked_connection_timeout``.
+#: How long a long-lived connection (worker, commands) may stay blocked by
+#: RabbitMQ (memory or disk alarm) before it fails, unless the URL sets
+#: ``blocked_connection_timeout``. A publish has its own, shorter deadline.
 BLOCKED_TIMEOUT_S = 30.0
 
+#: A refused publish (negative confirm) is tried again after this pause, doubling up to the cap.
+REFUSED_PAUSE_S = 0.05
+REFUSED_PAUSE_CAP_S = 0.5
 
-def connect(url: str) -> pika.BlockingConnection:
-    """Open a connection, turning failures into ``BrokerUnavailable``."""
+#: The default deadline of one publish (``DEFERRED['PUBLISH_TIMEOUT']``).
+PUBLISH_TIMEOUT_S = 10.0
+
+#: One URL, or the URLs of a cluster's nodes in the order they are tried.
+Urls = str | Sequence[str]
+
+
+def as_urls(urls: Urls) -> tuple[str, ...]:
+    """``urls`` as a tuple (a single URL is a cluster of one)."""
+    return (urls,) if isinstance(urls, str) else tuple(urls)
+
+
+class _Failover:
+    """Which node of a URL list each new connection tries first.
+
+    In order, starting from the first URL; the node last connected to stays
+    first while it works, and when a connection to it is lost the next
+    connection starts from the node after it. So every client of a process
+    moves off a dead node together, and nobody waits on the dead node first
+    while another one answers.
+    """
+
+    def __init__(self) -> None:
+        self._first: dict[tuple[str, ...], int] = {}
+        self._lock = threading.Lock()
+
+    def order(self, urls: tuple[str, ...]) -> list[int]:
+        with self._lock:
+            first = self._first.get(urls, 0)
+        return [(first + i) % len(urls) for i in range(len(urls))]
+
+    def connected(self, urls: tuple[str, ...], index: int) -> None:
+        with self._lock:
+            self._first[urls] = index
+
+    def lost(self, urls: tuple[str, ...], index: int) -> None:
+        with self._lock:
+            if self._first.get(urls, 0) == index:
+                self._first[urls] = (index + 1) % len(urls)
+
+
+failover = _Failover()
+
+
+@dataclass(frozen=True)
+class Node:
+    """The node a connection went to: its place in the URL list, and the URL."""
+
+    urls: tuple[str, ...]
+    index: int
+
+    @property
+    def url(self) -> str:
+        return self.urls[self.index]
+
+    @property
+    def address(self) -> str:
+        """``host:port/vhost``, without credentials: for messages, logs and status."""
+        return safe_url(self.url)
+
+    def lost(self) -> None:
+        """Note that the connection to this node was lost: try the next node first."""
+        failover.lost(self.urls, self.index)
+
+
+def open_connection(
+    urls: Urls, *, timeout: float | None = None
+) -> tuple[pika.BlockingConnection, Node]:
+    """Connect to the first node that answers, in failover order.
+
+    ``timeout`` bounds the whole call (every node tried); without it each
+    node gets pika's own connect timeouts. ``BrokerUnavailable`` names every
+    node tried and why it failed.
+    """
+    all_urls = as_urls(urls)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    failures = []
+    for index in failover.order(all_urls):
+        url = all_urls[index]
+        params = pika.URLParameters(url)
+        if "blocked_connection_timeout" not in url:
+            # pika's default is to wait forever: a web request would hang.
+            params.blocked_connection_timeout = BLOCKED_TIMEOUT_S
+        if deadline is not None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                failures.append(f"{safe_url(url)}: not tried, out of time")
+                continue
+            params.socket_timeout = min(params.socket_timeout or remaining, remaining)
+            params.stack_timeout = min(params.stack_timeout or remaining, remaining)
+        try:
+            connection = pika.BlockingConnection(params)
+        except (*_CONNECTION_ERRORS, px.AMQPError) as exc:
+            failures.append(f"{safe_url(url)}: {exc!r}")
+            continue
+        failover.connected(all_urls, index)
+        return connection, Node(all_urls, index)
+    where = "at " if len(all_urls) == 1 else f"at any of its {len(all_urls)} nodes: "
+    raise BrokerUnavailable(f"Cannot connect to RabbitMQ {where}{'; '.join(failures)}")
+
+
+def answers(url: str, timeout: float = 1.0) -> bool:
+    """Whether the node at ``url`` accepts a connection now (the failover order is untouched)."""
     params = pika.URLParameters(url)
-    if "blocked_connection_timeout" not in url:
-        # pika's default is to wait forever: a web request would hang.
-        params.blocked_connection_timeout = BLOCKED_TIMEOUT_S
+    params.socket_timeout = params.stack_timeout = timeout
+    params.connection_attempts = 1
     try:
-        return pika.BlockingConnection(params)
-    except _CONNECTION_ERRORS as exc:
-        raise BrokerUnavailable(f"Cannot connect to RabbitMQ at {_safe_url(url)}: {exc!r}") from exc
+        connection = pika.BlockingConnection(params)
+    except (*_CONNECTION_ERRORS, px.AMQPError):
+        return False
+    _close_quietly(connection)
+    return True
 
 
-def _safe_url(url: str) -> str:
+def connect(urls: Urls, *, timeout: float | None = None) -> pika.BlockingConnection:
+    """Open a connection to the first node that answers (see :func:`open_connection`)."""
+    return open_connection(urls, timeout=timeout)[0]
+
+
+def safe_url(url: str) -> str:
     """The URL without its password, for messages and logs."""
     params = pika.URLParameters(url)
-    return f"{params.host}:{params.port}{params.virtual_host and '/' + params.virtual_host}"
+    vhost = "" if params.virtual_host == "/" else params.virtual_host
+    return f"{params.host}:{params.port}/{vhost}"
 
 
-def vhost_of(url: str) -> str:
-    """The virtual host ``url`` connects to, read exactly as pika reads it (no I/O)."""
-    return str(pika.URLParameters(url).virtual_host)
+def vhost_of(urls: Urls) -> str:
+    """The virtual host the URL(s) connect to, read exactly as pika reads it (no I/O)."""
+    return str(pika.URLParameters(as_urls(urls)[0]).virtual_host)
+
+
+class _DeadlineExceeded(px.AMQPConnectionError):  # type: ignore[misc]
+    """The call's deadline passed: the connection was torn down under it."""
+
+
+@contextmanager
+def _deadline(connection: pika.BlockingConnection, seconds: float) -> Iterator[None]:
+    """Tear ``connection`` down if the block is still running after ``seconds``.
+
+    A blocking publish waits for its confirm with no limit, and a closing
+    handshake waits for an answer that a blocked broker never sends. This
+    timer lives in pika's own I/O loop, which runs while pika waits, and
+    aborts the socket: the wait ends with ``_DeadlineExceeded``.
+    """
+    impl = connection._impl
+
+    def expire() -> None:
+        if not connection.is_closed:
+            impl._terminate_stream(_DeadlineExceeded(f"no answer within {seconds:.1f} s"))
+
+    timer = impl._adapter_call_later(max(seconds, 0.0), expire)
+    try:
+        yield
+    finally:
+        impl._adapter_remove_timeout(timer)
 
 
 # --------------------------------------------------------------------------- publishing
@@ -103,44 +255,65 @@ def vhost_of(url: str) -> str:
 class Publisher:
     """Publishes with confirms and ``mandatory``; one connection per thread.
 
+    Each call has one deadline, ``timeout`` seconds, that covers everything:
+    connecting (every node of the list if need be), waiting while RabbitMQ
+    blocks publishers, and the confirm. Past it the call raises
+    ``BrokerUnavailable``, whose message says that the outcome is unknown: the
+    broker may have taken the message and the confirm be what was lost.
+
     A web process may sit idle long enough for the broker to drop its
-    connection, so a publish that finds it gone reconnects once and tries
-    again. That retry can duplicate a message whose confirm was lost with the
-    connection, which is within the at-least-once guarantee.
+    connection, and a node may die under a publish: a publish that loses its
+    connection reconnects once (to the next node first) and tries again,
+    inside the same deadline. That retry can duplicate a message whose
+    confirm was lost with the connection, which is within the at-least-once
+    guarantee: the copy carries the same job id.
     """
 
-    def __init__(self, url: str) -> None:
-        self.url = url
+    def __init__(self, urls: Urls, timeout: float = PUBLISH_TIMEOUT_S) -> None:
+        self.urls = as_urls(urls)
+        self.timeout = timeout
         self._local = threading.local()
 
-    def _channel(self) -> BlockingChannel:
+    def _connection(self, timeout: float) -> pika.BlockingConnection:
+        local = self._local
+        connection: pika.BlockingConnection | None = getattr(local, "connection", None)
+        if connection is not None and local.pid == os.getpid() and connection.is_open:
+            return connection
+        self._forget()
+        connection, local.node = open_connection(self.urls, timeout=timeout)
+        local.connection, local.pid = connection, os.getpid()
+        return connection
+
+    def _confirm_channel(self) -> BlockingChannel:
         local = self._local
         channel: BlockingChannel | None = getattr(local, "channel", None)
-        if channel is not None and local.pid == os.getpid() and channel.is_open:
-            return channel
-        self._forget()
-        connection = connect(self.url)
-        channel = connection.channel()
-        channel.confirm_delivery()
-        local.connection, local.channel, local.pid = connection, channel, os.getpid()
+        if channel is None or not channel.is_open:
+            channel = local.connection.channel()
+            channel.confirm_delivery()
+            local.channel = channel
         return channel
 
-    def _forget(self) -> None:
+    def _forget(self, *, lost: bool = False) -> None:
         local = self._local
         connection = getattr(local, "connection", None)
+        node: Node | None = getattr(local, "node", None)
+        if lost and node is not None:
+            node.lost()
         # A connection inherited through fork shares its socket with the parent:
         # drop it without closing, or the parent's connection would be closed.
         if connection is not None and local.pid == os.getpid():
-            try:
-                connection.close()
-            except Exception:  # noqa: BLE001 - already broken, nothing to save
-                pass
-        local.connection = local.channel = local.tx_channel = None
+            _close_quietly(connection)
+        local.connection = local.channel = local.tx_channel = local.node = None
         local.pid = None
 
     def close(self) -> None:
         """Close this thread's connection, if any."""
         self._forget()
+
+    @property
+    def node(self) -> Node | None:
+        """The node this thread's connection goes to, if it has one."""
+        return getattr(self._local, "node", None)
 
     def publish(
         self,
@@ -155,7 +328,7 @@ class Publisher:
         properties = _properties(message_id, headers)
 
         def send() -> None:
-            channel = self._channel()
+            channel = self._confirm_channel()
             try:
                 channel.basic_publish(exchange, routing_key, body, properties, mandatory=True)
             except px.UnroutableError:
@@ -165,11 +338,9 @@ class Publisher:
                     f"topology or the target queue is missing. {_NOT_DECLARED_HINT}"
                 ) from None
             except px.NackError:
-                raise PublishRefused(
-                    f"RabbitMQ refused the message for exchange {exchange!r} (negative confirm)."
-                ) from None
+                raise _Refused() from None
 
-        self._reconnecting_once(send, exchange)
+        self._send(send, exchange)
 
     def publish_many(self, messages: list[Outgoing]) -> None:
         """Publish persistent messages in one AMQP transaction: one round trip for all.
@@ -181,7 +352,6 @@ class Publisher:
         """
 
         def send() -> None:
-            self._channel()  # (re)connects if needed
             local = self._local
             tx: BlockingChannel | None = getattr(local, "tx_channel", None)
             if tx is None or not tx.is_open:
@@ -218,14 +388,39 @@ class Publisher:
                     f"queue is missing. {_NOT_DECLARED_HINT}"
                 )
 
-        self._reconnecting_once(send, ", ".join(sorted({m.exchange for m in messages})))
+        self._send(send, ", ".join(sorted({m.exchange for m in messages})))
 
-    def _reconnecting_once(self, send: Callable[[], None], exchange: str) -> None:
-        """Run ``send``; on a lost connection reconnect once and run it again."""
-        for attempt in (1, 2):
+    def _send(self, send: Callable[[], None], exchange: str) -> None:
+        """Run ``send`` within the deadline.
+
+        On a lost connection it runs once more, on the next node first. A
+        negative confirm means the broker did not take the message: a quorum
+        queue refuses while it elects a new leader after a node loss, for a
+        few seconds. That is retried with a short, growing pause until the
+        deadline, on the same connection.
+        """
+        deadline = time.monotonic() + self.timeout
+        losses = 0
+        pause = REFUSED_PAUSE_S
+        while True:
+            remaining = deadline - time.monotonic()
             try:
-                send()
+                if remaining <= 0:
+                    raise _DeadlineExceeded("no time left to retry")
+                connection = self._connection(remaining)
+                with _deadline(connection, deadline - time.monotonic()):
+                    send()
                 return
+            except _Refused as exc:
+                if time.monotonic() + pause >= deadline:
+                    raise PublishRefused(
+                        f"RabbitMQ refused the message for exchange {exchange!r} (negative "
+                        f"confirm) until PUBLISH_TIMEOUT ({self.timeout:g} s) ran out: a queue "
+                        "it routes to has no leader (a node is down?) or is full. Nothing of "
+                        "the refused publish was taken."
+                    ) from exc
+                time.sleep(pause)
+                pause = min(pause * 2, REFUSED_PAUSE_CAP_S)
             except px.ChannelClosedByBroker as exc:
                 self._forget()
                 if exc.reply_code == NOT_FOUND:
@@ -237,14 +432,33 @@ class Publisher:
             except BrokerUnavailable:
                 self._forget()
                 raise
+            except _DeadlineExceeded as exc:
+                self._forget(lost=True)
+                raise BrokerUnavailable(
+                    f"RabbitMQ did not confirm the publish within PUBLISH_TIMEOUT "
+                    f"({self.timeout:g} s): the broker may or may not have taken it (a blocked "
+                    "connection, a lost node or a slow confirm)."
+                ) from exc
             except _CONNECTION_ERRORS as exc:
-                self._forget()
-                if attempt == 2:
+                node = self.node
+                self._forget(lost=True)
+                losses += 1
+                where = f" at {node.address}" if node else ""
+                if losses == 2:
                     raise BrokerUnavailable(
-                        f"Lost the connection to RabbitMQ at {_safe_url(self.url)} while "
-                        f"publishing, twice: {exc!r}"
+                        f"Lost the connection to RabbitMQ{where} while publishing, twice (the "
+                        f"broker may or may not have taken the message): {exc!r}"
                     ) from exc
-                logger.warning("Connection to RabbitMQ lost (%r); reconnecting once.", exc)
+                logger.warning(
+                    "Connection to RabbitMQ%s lost while publishing (%r); trying again%s.",
+                    where,
+                    exc,
+                    " on the next node" if len(self.urls) > 1 else "",
+                )
+
+
+class _Refused(Exception):
+    """A negative confirm: the broker did not take the message (retried until the deadline)."""
 
 
 @dataclass(frozen=True)
@@ -266,10 +480,14 @@ def _properties(message_id: str, headers: dict[str, Any] | None) -> pika.BasicPr
     )
 
 
-@lru_cache(maxsize=4)
-def publisher(url: str) -> Publisher:
-    """The process-wide publisher for ``url``."""
-    return Publisher(url)
+def publisher(urls: Urls, timeout: float = PUBLISH_TIMEOUT_S) -> Publisher:
+    """The process-wide publisher for ``urls`` (one connection per thread)."""
+    return _publisher(as_urls(urls), timeout)
+
+
+@lru_cache(maxsize=8)
+def _publisher(urls: tuple[str, ...], timeout: float) -> Publisher:
+    return Publisher(urls, timeout)
 
 
 # --------------------------------------------------------------------------- administration
@@ -299,10 +517,32 @@ class DeclareReport:
     created: list[str] = field(default_factory=list)
     existing: list[str] = field(default_factory=list)
     bindings: int = 0
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def changed(self) -> bool:
         return bool(self.created)
+
+
+#: Quorum queue arguments that only place replicas and the leader at creation.
+PLACEMENT_ARGUMENTS = ("x-quorum-initial-group-size", "x-queue-leader-locator")
+_INEQUIVALENT = re.compile(
+    r"inequivalent arg '(?P<name>[^']+)'.*but current is "
+    r"(?:none|the value '(?P<value>[^']*)' of type '(?P<type>[^']+)')"
+)
+
+
+def _placement_conflict(exc: px.ChannelClosedByBroker) -> tuple[str, Any] | None:
+    """``(argument, the queue's current value or None)`` when a 406 is about placement only."""
+    if exc.reply_code != PRECONDITION_FAILED:
+        return None
+    match = _INEQUIVALENT.search(str(exc.reply_text))
+    if match is None or match["name"] not in PLACEMENT_ARGUMENTS:
+        return None
+    value: Any = match["value"]
+    if value is not None and match["type"] in ("signedint", "long", "short", "byte"):
+        value = int(value)
+    return match["name"], value
 
 
 class _HideProbeMisses(logging.Filter):
@@ -314,24 +554,25 @@ class _HideProbeMisses(logging.Filter):
 
 
 @contextmanager
-def admin_channel(url: str) -> Iterator[Admin]:
-    """A short-lived connection for declaring, inspecting and removing topologies."""
-    connection = connect(url)
+def admin_channel(urls: Urls) -> Iterator[Admin]:
+    """A short-lived connection (to the first node that answers) for declaring,
+    inspecting and removing topologies."""
+    connection, node = open_connection(urls)
     quiet = _HideProbeMisses()
     pika_channel_logger = logging.getLogger("pika.channel")
     pika_channel_logger.addFilter(quiet)
     try:
-        yield Admin(connection)
+        yield Admin(connection, node)
     except px.AMQPConnectionError as exc:
-        raise BrokerUnavailable(f"Lost the connection to RabbitMQ: {exc!r}") from exc
+        node.lost()
+        raise BrokerUnavailable(
+            f"Lost the connection to RabbitMQ at {node.address}: {exc!r}"
+        ) from exc
     except px.AMQPError as exc:
         raise BrokerError(f"RabbitMQ refused an operation: {exc!r}") from exc
     finally:
         pika_channel_logger.removeFilter(quiet)
-        try:
-            connection.close()
-        except Exception:  # noqa: BLE001 - the work is done or already failed
-            pass
+        _close_quietly(connection)
 
 
 class Admin:
@@ -341,8 +582,10 @@ class Admin:
     so each probe that may fail gets a fresh channel.
     """
 
-    def __init__(self, connection: pika.BlockingConnection) -> None:
+    def __init__(self, connection: pika.BlockingConnection, node: Node) -> None:
         self.connection = connection
+        #: The node this connection went to: where every figure read here comes from.
+        self.node = node
         self.channel = connection.channel()
 
     def _reopen(self) -> None:
@@ -394,21 +637,50 @@ class Admin:
         absent += [f"queue {q.name}" for q in plan.all_queues if not self.queue_exists(q.name)]
         return absent
 
-    def declare_queue(self, queue: Queue) -> None:
-        try:
-            self.channel.queue_declare(queue.name, durable=True, arguments=queue.arguments)
-        except px.ChannelClosedByBroker as exc:
-            self._reopen()
-            if exc.reply_code == PRECONDITION_FAILED:
-                raise TopologyConflict(
-                    f"Queue {queue.name!r} already exists with other arguments than "
-                    f"{queue.arguments!r} (RabbitMQ: {exc.reply_text}). Queue arguments cannot "
-                    "change in place. If it is a delay queue, something else declared it; if "
-                    "it is a ready or failed queue (e.g. after changing QUEUE_TYPE), stop the "
-                    "workers, let it drain, delete it (`rabbitmqctl delete_queue "
-                    f"{queue.name}`) and run declare_delay_topology again."
-                ) from exc
-            raise BrokerError(f"Cannot declare queue {queue.name!r}: {exc.reply_text}") from exc
+    def declare_queue(self, queue: Queue) -> str | None:
+        """Declare ``queue``; a warning if it exists with other replica placement, else ``None``.
+
+        Where a quorum queue's replicas and leader go is decided when it is
+        created, and only there: a queue declared before those arguments were
+        set, or with another QUORUM_GROUP_SIZE, works just as well. So the
+        broker's answer is followed for those two arguments, not raised.
+        """
+        arguments = dict(queue.arguments)
+        kept: list[str] = []
+        for _ in range(len(PLACEMENT_ARGUMENTS) + 1):
+            try:
+                self.channel.queue_declare(queue.name, durable=True, arguments=arguments)
+            except px.ChannelClosedByBroker as exc:
+                self._reopen()
+                current = _placement_conflict(exc)
+                if current is None:
+                    self._declare_failed(queue, exc)
+                name, value = current
+                kept.append(f"{name}={value!r}")
+                if value is None:
+                    arguments.pop(name, None)
+                else:
+                    arguments[name] = value
+                continue
+            if kept:
+                return (
+                    f"queue {queue.name} exists with other replica placement ({', '.join(kept)}); "
+                    "it is used as it is (recreate it to apply the settings' placement)"
+                )
+            return None
+        raise TopologyConflict(f"Queue {queue.name!r} could not be declared: {kept}")
+
+    def _declare_failed(self, queue: Queue, exc: px.ChannelClosedByBroker) -> NoReturn:
+        if exc.reply_code == PRECONDITION_FAILED:
+            raise TopologyConflict(
+                f"Queue {queue.name!r} already exists with other arguments than "
+                f"{queue.arguments!r} (RabbitMQ: {exc.reply_text}). Queue arguments cannot "
+                "change in place. If it is a delay queue, something else declared it; if "
+                "it is a ready or failed queue (e.g. after changing QUEUE_TYPE), stop the "
+                "workers, let it drain, delete it (`rabbitmqctl delete_queue "
+                f"{queue.name}`) and run declare_delay_topology again."
+            ) from exc
+        raise BrokerError(f"Cannot declare queue {queue.name!r}: {exc.reply_text}") from exc
 
     def declare(self, plan: Plan) -> DeclareReport:
         """Create whatever of ``plan`` is missing; idempotent."""
@@ -417,7 +689,9 @@ class Admin:
         # stop us before anything of the new topology exists.
         for queue in plan.all_queues:
             exists = self.queue_exists(queue.name)
-            self.declare_queue(queue)
+            warning = self.declare_queue(queue)
+            if warning:
+                report.warnings.append(warning)
             (report.existing if exists else report.created).append(f"queue {queue.name}")
         for exchange in plan.all_exchanges:
             exists = self.exchange_exists(exchange.name)
@@ -557,21 +831,21 @@ class Admin:
             self.channel.exchange_delete(exchange.name)
 
 
-def not_declared(plan: Plan, missing: list[str], url: str) -> TopologyNotDeclared:
+def not_declared(plan: Plan, missing: list[str], where: str) -> TopologyNotDeclared:
     """The error for a topology that ``DEFERRED['DECLARE'] = False`` forbids us to create."""
     shown = ", ".join(missing[:10]) + (
         f" and {len(missing) - 10} more" if len(missing) > 10 else ""
     )
     return TopologyNotDeclared(
         f"DEFERRED['DECLARE'] is False, so deferred declares nothing itself, and RabbitMQ at "
-        f"{_safe_url(url)} lacks {len(missing)} part(s) of topology {plan.topology_id}: "
+        f"{where} lacks {len(missing)} part(s) of topology {plan.topology_id}: "
         f"{shown}. The infrastructure must create them: apply what `python manage.py "
         "declare_delay_topology --format definitions` (for `rabbitmqctl import_definitions`) "
         "or `--format terraform` prints, then run `declare_delay_topology --check`."
     )
 
 
-def verify_topology(url: str, plan: Plan) -> None:
+def verify_topology(urls: Urls, plan: Plan) -> None:
     """Check passively that every exchange and queue of ``plan`` exists.
 
     ``TopologyNotDeclared`` names what is missing; ``BrokerUnavailable`` if
@@ -579,78 +853,10 @@ def verify_topology(url: str, plan: Plan) -> None:
     missing one shows up as an unroutable publish (``mandatory``) or a job in
     the failed queue (alternate exchange), never as a lost job.
     """
-    with admin_channel(url) as admin:
+    with admin_channel(urls) as admin:
         missing = admin.missing(plan)
     if missing:
-        raise not_declared(plan, missing, url)
-
-
-# --------------------------------------------------------------------------- management API
-
-#: The management API is optional: a status never waits long for it.
-MANAGEMENT_TIMEOUT_S = 1.0
-
-
-class _RefuseRedirects(urllib.request.HTTPRedirectHandler):
-    """A redirect would carry the broker credentials elsewhere: treat it as a failure."""
-
-    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
-        return None
-
-
-_NO_REDIRECTS = urllib.request.build_opener(_RefuseRedirects)
-
-
-def unacked_counts(
-    broker_url: str,
-    queues: Sequence[str],
-    *,
-    api_url: str | None,
-    timeout: float = MANAGEMENT_TIMEOUT_S,
-) -> dict[str, int] | None:
-    """Unacked messages per queue, from the management plugin's HTTP API.
-
-    AMQP cannot tell how many messages are delivered and not yet acked; the
-    management API can. It is optional, so any failure (plugin not enabled,
-    port closed, refused credentials) gives ``None`` after at most one
-    ``timeout`` per queue, and the caller reports the figure as unknown. The
-    credentials are the URL's own, else the broker URL's.
-    """
-    if api_url is None:
-        return None
-    params = pika.URLParameters(broker_url)
-    api = urllib.parse.urlsplit(api_url)
-    if api.username is not None:
-        user = urllib.parse.unquote(api.username)
-        password = urllib.parse.unquote(api.password or "")
-    else:
-        user, password = params.credentials.username, params.credentials.password
-    host = api.hostname or ""
-    netloc = f"[{host}]" if ":" in host else host
-    if api.port:
-        netloc += f":{api.port}"
-    base = urllib.parse.urlunsplit((api.scheme, netloc, api.path.rstrip("/"), "", ""))
-    token = base64.b64encode(f"{user}:{password}".encode()).decode()
-    vhost = urllib.parse.quote(params.virtual_host, safe="")
-    counts: dict[str, int] = {}
-    for queue in queues:
-        request = urllib.request.Request(
-            f"{base}/api/queues/{vhost}/{urllib.parse.quote(queue, safe='')}",
-            headers={"Authorization": f"Basic {token}", "Accept": "application/json"},
-        )
-        try:
-            with _NO_REDIRECTS.open(request, timeout=timeout) as response:
-                data = json.loads(response.read())
-            counts[queue] = int(data.get("messages_unacknowledged", 0))
-        except urllib.error.HTTPError as exc:
-            if exc.code == NOT_FOUND:
-                continue  # the queue does not exist: nothing unacked in it
-            logger.debug("Management API at %s refused: %r", base, exc)
-            return None
-        except (OSError, ValueError, TypeError, AttributeError) as exc:
-            logger.debug("Management API at %s does not answer: %r", base, exc)
-            return None
-    return counts
+        raise not_declared(plan, missing, admin.node.address)
 
 
 # --------------------------------------------------------------------------- consuming
@@ -673,9 +879,9 @@ class Consumer:
     """The worker's single consuming connection, driven from one I/O thread."""
 
     def __init__(
-        self, url: str, queues: list[str], prefetch: int, *, shared_prefetch: bool
+        self, urls: Urls, queues: list[str], prefetch: int, *, shared_prefetch: bool
     ) -> None:
-        self.url = url
+        self.urls = as_urls(urls)
         self.queues = queues
         self.prefetch = prefetch
         #: Cap the unacked messages of all consumers together (classic queues
@@ -684,13 +890,15 @@ class Consumer:
         self.generation = 0
         self._connection: pika.BlockingConnection | None = None
         self._channel: BlockingChannel | None = None
+        #: The node consumed from; ``None`` while not connected.
+        self.node: Node | None = None
         self._tags: list[str] = []
         self._cancelled_by_broker: str | None = None
 
     def start(self, on_delivery: Callable[[Delivery], None]) -> None:
         """Connect and start consuming; ``BrokerUnavailable`` or ``TopologyNotDeclared``."""
         self.close()
-        connection = connect(self.url)
+        connection, node = open_connection(self.urls)
         try:
             channel = connection.channel()
             channel.basic_qos(prefetch_count=self.prefetch)
@@ -731,11 +939,14 @@ class Consumer:
             raise
         except (*_CONNECTION_ERRORS, px.AMQPError) as exc:
             _close_quietly(connection)
-            raise BrokerUnavailable(f"Could not start consuming: {exc!r}") from exc
+            node.lost()
+            raise BrokerUnavailable(
+                f"Could not start consuming at {node.address}: {exc!r}"
+            ) from exc
         except BaseException:
             _close_quietly(connection)
             raise
-        self._connection, self._channel = connection, channel
+        self._connection, self._channel, self.node = connection, channel, node
 
     def _on_broker_cancel(self, method: Any) -> None:
         # The broker cancels a consumer when its queue is deleted (or its node
@@ -750,14 +961,16 @@ class Consumer:
         try:
             self._connection.process_data_events(time_limit=seconds)
         except (*_CONNECTION_ERRORS, px.AMQPChannelError) as exc:
-            self._drop()
-            raise BrokerUnavailable(f"Lost the connection to RabbitMQ: {exc!r}") from exc
+            where = self._drop(lost=True)
+            raise BrokerUnavailable(f"Lost the connection to RabbitMQ{where}: {exc!r}") from exc
         if self._channel is None or self._channel.is_closed:
             # e.g. RabbitMQ's consumer_timeout closes the channel, not the connection.
-            self._drop()
+            self._drop(lost=False)
             raise BrokerUnavailable("RabbitMQ closed the consuming channel.")
         if self._cancelled_by_broker:
-            self._drop()
+            # A quorum queue's leader moving away cancels consumers too: try
+            # another node first.
+            self._drop(lost=True)
             raise BrokerUnavailable(
                 f"RabbitMQ cancelled consumer {self._cancelled_by_broker} (was a ready queue "
                 "deleted?)."
@@ -772,8 +985,8 @@ class Consumer:
             for tag in channel.consumer_tags:
                 channel.basic_cancel(tag)
         except (*_CONNECTION_ERRORS, px.AMQPChannelError) as exc:
-            self._drop()
-            raise BrokerUnavailable(f"Lost the connection to RabbitMQ: {exc!r}") from exc
+            where = self._drop(lost=True)
+            raise BrokerUnavailable(f"Lost the connection to RabbitMQ{where}: {exc!r}") from exc
 
     def settle_threadsafe(self, delivery: Delivery, *, ack: bool, requeue: bool = True) -> bool:
         """Ack (or reject) ``delivery`` from any thread; ``False`` if its connection is gone.
@@ -804,20 +1017,35 @@ class Consumer:
         else:
             channel.basic_nack(delivery.tag, requeue=requeue)
 
-    def _drop(self) -> None:
-        connection = self._connection
-        self._connection = self._channel = None
+    def _drop(self, *, lost: bool = False) -> str:
+        """Forget the connection; ``lost``: the next connection tries another node first.
+
+        Returns `` at NODE`` for messages (empty when not connected).
+        """
+        connection, node = self._connection, self.node
+        self._connection = self._channel = self.node = None
         self._tags = []
         if connection is not None:
             _close_quietly(connection)
+        if node is None:
+            return ""
+        if lost:
+            node.lost()
+        return f" at {node.address}"
 
     def close(self) -> None:
         self._drop()
 
 
+#: How long a close may wait for the broker's answer before the socket is dropped.
+CLOSE_TIMEOUT_S = 2.0
+
+
 def _close_quietly(connection: pika.BlockingConnection) -> None:
+    """Close ``connection``, never waiting long: a blocked or dying broker may not answer."""
     try:
         if connection.is_open:
-            connection.close()
+            with _deadline(connection, CLOSE_TIMEOUT_S):
+                connection.close()
     except Exception:  # noqa: BLE001 - closing a broken connection
         pass

@@ -26,7 +26,16 @@ from deferred.retries import Backoff, parse_backoff, validate_max_retries
 from deferred.topology import MAX_TTL_MS, TopologyError, plan_topology
 
 DEFAULTS: dict[str, Any] = {
+    # One URL, or a list of them: one per node of a cluster, tried in order.
     "BROKER_URL": "amqp://guest:guest@127.0.0.1:5672/%2F",
+    # The whole time one defer() may take: connecting, failing over to another
+    # node, waiting out a blocked connection and the broker's confirm. Well
+    # under a web server's request timeout, so a broker in trouble costs a
+    # request an error, not a hung worker process.
+    "PUBLISH_TIMEOUT": timedelta(seconds=10),
+    # Quorum queues only: how many nodes keep a copy of each queue. RabbitMQ
+    # caps it at the cluster's size, so 3 means "every node, up to three".
+    "QUORUM_GROUP_SIZE": 3,
     "PREFIX": "deferred",
     # Ten years: the largest TTL RabbitMQ accepts on a single queue, so no
     # queue of the topology ever needs a TTL the broker would refuse.
@@ -53,6 +62,12 @@ DEFAULTS: dict[str, Any] = {
     # 15671 for an amqps:// broker: credentials never go out in clear text
     # when the broker connection is encrypted), False never asks.
     "MANAGEMENT_URL": None,
+    # Quorum delay queues whose dead-lettered messages have not moved for this
+    # long are reported as stuck (a known RabbitMQ bug after a leader change).
+    "STUCK_AFTER": timedelta(seconds=30),
+    # Whether the worker repairs stuck queues itself (forcing a leader
+    # election through the management API), when its broker user may.
+    "REPAIR_STUCK": True,
 }
 
 #: The management plugin's default ports, plain and TLS.
@@ -60,6 +75,8 @@ MANAGEMENT_PORT = 15672
 MANAGEMENT_TLS_PORT = 15671
 
 QUEUE_TYPES = ("classic", "quorum")
+#: A defer() that may take longer than this is a hung web request, not a timeout.
+MAX_PUBLISH_TIMEOUT_S = 300.0
 MAX_RADIX = 64
 
 # Exchange and queue names: AMQP allows up to 255 bytes of any characters, but
@@ -83,7 +100,9 @@ def validate_queue_name(queue: object) -> None:
 class DeferredSettings:
     """The validated ``DEFERRED`` setting; durations are whole milliseconds."""
 
-    broker_url: str
+    #: One URL per node, in the order they are tried.
+    broker_urls: tuple[str, ...]
+    publish_timeout_s: float
     prefix: str
     max_delay_ms: int
     radix: int
@@ -96,8 +115,16 @@ class DeferredSettings:
     delivery_limit: int
     #: Whether the app may create the topology; if not, it only checks it.
     declare: bool
-    #: The management API's base URL, or ``None`` when it is not to be asked.
-    management_url: str | None
+    #: The management API's base URLs, tried in order; empty when it is not to be asked.
+    management_urls: tuple[str, ...]
+    quorum_group_size: int
+    stuck_after_s: float
+    repair_stuck: bool
+
+    @property
+    def broker_url(self) -> str:
+        """The first node's URL (the only one with a single ``BROKER_URL``)."""
+        return self.broker_urls[0]
 
     @property
     def default_queue(self) -> str:
@@ -118,6 +145,65 @@ def _duration_ms(name: str, value: Any) -> float:
     return value * 1000
 
 
+def _broker_urls(value: Any) -> tuple[str, ...]:
+    """``BROKER_URL`` as a tuple: one URL, or a non-empty list of them (one per node)."""
+    urls = [value] if isinstance(value, str) else value
+    if not isinstance(urls, list | tuple) or not urls:
+        raise ImproperlyConfigured(
+            "DEFERRED['BROKER_URL'] must be an amqp:// or amqps:// URL, or a non-empty list "
+            f"of them (one per cluster node); got {value!r}."
+        )
+    for url in urls:
+        if not isinstance(url, str) or not url.startswith(("amqp://", "amqps://")):
+            raise ImproperlyConfigured(
+                f"DEFERRED['BROKER_URL'] must hold amqp:// or amqps:// URLs, got {url!r}."
+            )
+    if len(set(urls)) != len(urls):
+        raise ImproperlyConfigured(f"DEFERRED['BROKER_URL'] lists a URL twice: {urls!r}.")
+    vhosts = {urllib.parse.unquote(urllib.parse.urlsplit(url).path[1:]) or "/" for url in urls}
+    if len(vhosts) > 1:
+        raise ImproperlyConfigured(
+            "DEFERRED['BROKER_URL']: every URL must name the same virtual host (they are "
+            f"nodes of one cluster); got {urls!r}."
+        )
+    return tuple(urls)
+
+
+def _management_urls(value: Any, broker_urls: tuple[str, ...]) -> tuple[str, ...]:
+    """``MANAGEMENT_URL`` as a tuple of base URLs to try in order (empty: never ask).
+
+    ``None`` asks each broker node on the plugin's port (HTTPS on 15671 for an
+    amqps:// broker: credentials never go out in clear text when the broker
+    connection is encrypted).
+    """
+    if value is False:
+        return ()
+    if value is None:
+        derived = []
+        for url in broker_urls:
+            broker = urllib.parse.urlsplit(url)
+            host = broker.hostname or "localhost"
+            scheme, port = (
+                ("https", MANAGEMENT_TLS_PORT)
+                if broker.scheme == "amqps"
+                else ("http", MANAGEMENT_PORT)
+            )
+            derived.append(f"{scheme}://{f'[{host}]' if ':' in host else host}:{port}/")
+        return tuple(dict.fromkeys(derived))
+    urls = [value] if isinstance(value, str) else value
+    if (
+        not isinstance(urls, list | tuple)
+        or not urls
+        or not all(isinstance(u, str) and u.startswith(("http://", "https://")) for u in urls)
+    ):
+        raise ImproperlyConfigured(
+            "DEFERRED['MANAGEMENT_URL'] must be an http:// or https:// URL or a list of them, "
+            f"None (ask each broker host on port {MANAGEMENT_PORT}) or False (never ask); "
+            f"got {value!r}."
+        )
+    return tuple(urls)
+
+
 def _build(raw: Any) -> DeferredSettings:
     if raw is None:
         raw = {}
@@ -131,10 +217,12 @@ def _build(raw: Any) -> DeferredSettings:
         )
     values = {**DEFAULTS, **raw}
 
-    broker_url = values["BROKER_URL"]
-    if not isinstance(broker_url, str) or not broker_url.startswith(("amqp://", "amqps://")):
+    broker_urls = _broker_urls(values["BROKER_URL"])
+    publish_timeout_s = _duration_ms("PUBLISH_TIMEOUT", values["PUBLISH_TIMEOUT"]) / 1000
+    if not 0 < publish_timeout_s <= MAX_PUBLISH_TIMEOUT_S:
         raise ImproperlyConfigured(
-            f"DEFERRED['BROKER_URL'] must be an amqp:// or amqps:// URL, got {broker_url!r}."
+            "DEFERRED['PUBLISH_TIMEOUT'] must be more than 0 and at most "
+            f"{MAX_PUBLISH_TIMEOUT_S:g} s; got {values['PUBLISH_TIMEOUT']!r}."
         )
 
     prefix = values["PREFIX"]
@@ -216,29 +304,26 @@ def _build(raw: Any) -> DeferredSettings:
             f"DEFERRED['DELIVERY_LIMIT'] must be a positive integer, got {delivery_limit!r}."
         )
 
-    management_url = values["MANAGEMENT_URL"]
-    if management_url is None:
-        broker = urllib.parse.urlsplit(broker_url)
-        host = broker.hostname or "localhost"
-        scheme, port = (
-            ("https", MANAGEMENT_TLS_PORT)
-            if broker.scheme == "amqps"
-            else ("http", MANAGEMENT_PORT)
-        )
-        management_url = f"{scheme}://{f'[{host}]' if ':' in host else host}:{port}/"
-    elif management_url is False:
-        management_url = None
-    elif not isinstance(management_url, str) or not management_url.startswith(
-        ("http://", "https://")
-    ):
+    management_urls = _management_urls(values["MANAGEMENT_URL"], broker_urls)
+    group_size = values["QUORUM_GROUP_SIZE"]
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
         raise ImproperlyConfigured(
-            "DEFERRED['MANAGEMENT_URL'] must be an http:// or https:// URL, None (try the "
-            f"broker's host on port {MANAGEMENT_PORT}) or False (never ask); "
-            f"got {management_url!r}."
+            f"DEFERRED['QUORUM_GROUP_SIZE'] must be a positive integer, got {group_size!r}."
+        )
+    stuck_after_s = _duration_ms("STUCK_AFTER", values["STUCK_AFTER"]) / 1000
+    if stuck_after_s < 1:
+        raise ImproperlyConfigured(
+            f"DEFERRED['STUCK_AFTER'] must be at least 1 second, got {values['STUCK_AFTER']!r}."
+        )
+    repair_stuck = values["REPAIR_STUCK"]
+    if not isinstance(repair_stuck, bool):
+        raise ImproperlyConfigured(
+            f"DEFERRED['REPAIR_STUCK'] must be True or False, got {repair_stuck!r}."
         )
 
     result = DeferredSettings(
-        broker_url=broker_url,
+        broker_urls=broker_urls,
+        publish_timeout_s=publish_timeout_s,
         prefix=prefix,
         max_delay_ms=max_delay_ms,
         radix=radix,
@@ -250,7 +335,10 @@ def _build(raw: Any) -> DeferredSettings:
         on_commit=on_commit,
         delivery_limit=delivery_limit,
         declare=declare,
-        management_url=management_url,
+        management_urls=management_urls,
+        quorum_group_size=group_size,
+        stuck_after_s=stuck_after_s,
+        repair_stuck=repair_stuck,
     )
     # The plan enforces the limits that depend on several values at once
     # (routing-key length); building it here makes them configuration errors.

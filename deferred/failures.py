@@ -101,7 +101,7 @@ def failure_record(
 def store_failure(settings: DeferredSettings, record: dict[str, Any]) -> None:
     """Publish ``record`` to the failed queue, confirmed, before the job is acked."""
     plan = plan_topology(settings)
-    broker.publisher(settings.broker_url).publish(
+    broker.publisher(settings.broker_urls, settings.publish_timeout_s).publish(
         "",
         plan.failed_queue.name,
         json.dumps(record, default=repr).encode(),
@@ -225,7 +225,7 @@ class Outcome:
 def list_failed(settings: DeferredSettings) -> list[FailedJob]:
     """Every entry of the failed queue, oldest first; the queue is left as it was."""
     plan = plan_topology(settings)
-    with broker.admin_channel(settings.broker_url) as admin:
+    with broker.admin_channel(settings.broker_urls) as admin:
         if not admin.queue_exists(plan.failed_queue.name):
             raise broker.TopologyNotDeclared(
                 f"The failed queue {plan.failed_queue.name!r} does not exist. "
@@ -249,7 +249,7 @@ def _select(
     plan = plan_topology(settings)
     outcome = Outcome()
     wanted = None if ids is None else set(ids)
-    with broker.admin_channel(settings.broker_url) as admin:
+    with broker.admin_channel(settings.broker_urls) as admin:
         with admin.take_all(plan.failed_queue.name) as (channel, taken):
             chosen = []
             for message in taken:

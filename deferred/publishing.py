@@ -174,7 +174,12 @@ def _dispatch(
     immediate = [p for p in prepared if not (aliases and p.on_commit)]
     later = [p for p in prepared if aliases and p.on_commit]
     if immediate:
-        _publish_prepared(immediate, settings)
+        try:
+            _publish_prepared(immediate, settings)
+        except broker.BrokerError as exc:
+            exc.job_ids = tuple(p.job.id for p in immediate)
+            exc.job_id = exc.job_ids[0]
+            raise
     if not later:
         if on_published:
             on_published()
@@ -207,7 +212,7 @@ def _check_topology(settings: DeferredSettings) -> None:
     key = (os.getpid(), settings)
     if key in _verified:
         return
-    broker.verify_topology(settings.broker_url, plan_topology(settings))
+    broker.verify_topology(settings.broker_urls, plan_topology(settings))
     note_verified(settings)
 
 
@@ -224,7 +229,7 @@ def _publish_prepared(prepared: list[_Prepared], settings: DeferredSettings) -> 
         return
     _check_topology(settings)
     plan = plan_topology(settings)
-    broker.publisher(settings.broker_url).publish_many(
+    broker.publisher(settings.broker_urls, settings.publish_timeout_s).publish_many(
         [
             broker.Outgoing(
                 plan.ingest_exchange, plan.routing_key(p.wait_ms, p.job.queue), p.body, p.job.id
@@ -300,7 +305,7 @@ def publish(
     body = job.encode() if body is None else body
     _check_topology(settings)
     plan = plan_topology(settings)
-    broker.publisher(settings.broker_url).publish(
+    broker.publisher(settings.broker_urls, settings.publish_timeout_s).publish(
         plan.ingest_exchange,
         plan.routing_key(wait_ms, job.queue),
         body,

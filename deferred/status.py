@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from deferred import broker
+from deferred import broker, cluster
+from deferred.cluster import ClusterView
 from deferred.conf import DeferredSettings
 from deferred.failures import FailedJob, parse_failed
 from deferred.topology import Plan, Queue, plan_topology, recorded_plan
@@ -175,6 +176,8 @@ class Snapshot:
     chart: tuple[Bucket, ...]
     #: Where the unacked figures come from: ``"management"`` or ``None`` (unknown).
     unacked_source: str | None
+    #: The nodes, the node read from, leaders and stuck queues; ``None`` when not read.
+    cluster: ClusterView | None = None
 
     @property
     def pending(self) -> int:
@@ -210,6 +213,7 @@ class Snapshot:
             "queues": [q.to_dict() for q in self.queues],
             "topologies": [t.to_dict() for t in self.topologies],
             "chart": [b.to_dict() for b in self.chart],
+            "cluster": None if self.cluster is None else self.cluster.to_dict(),
         }
 
 
@@ -261,6 +265,7 @@ def build_snapshot(
     failed_by_queue: Mapping[str | None, int] | None,
     unacked: Mapping[str, int] | None,
     taken_at: datetime,
+    cluster: ClusterView | None = None,
 ) -> Snapshot:
     """The snapshot, from every queue's figures (``None``: the queue does not exist).
 
@@ -309,6 +314,7 @@ def build_snapshot(
             Bucket(label, limit, jobs) for (label, limit), jobs in zip(BUCKETS, chart, strict=True)
         ),
         unacked_source=None if unacked is None else "management",
+        cluster=cluster,
     )
 
 
@@ -330,7 +336,7 @@ def collect(settings: DeferredSettings) -> Status:
     """
     plan = plan_topology(settings)
     failed_jobs = None
-    with broker.admin_channel(settings.broker_url) as admin:
+    with broker.admin_channel(settings.broker_urls) as admin:
         others = [
             recorded_plan(record, prefix=plan.prefix, queues=settings.queues)
             for record in admin.topology_records(plan)
@@ -346,11 +352,20 @@ def collect(settings: DeferredSettings) -> Status:
         if failed is not None and failed.messages <= FAILED_READ_LIMIT:
             with admin.take_all(plan.failed_queue.name) as (_channel, taken):
                 failed_jobs = [parse_failed(t.body, t.headers, t.message_id) for t in taken]
-    unacked = broker.unacked_counts(
-        settings.broker_url,
-        [q.name for q in plan.ready_queues.values()],
-        api_url=settings.management_url,
+    view, api_queues = cluster.observe(
+        settings,
+        prefix=plan.prefix,
+        queue_names=[q.name for q in plan.all_queues if q is not plan.registry_queue],
+        delay_queue_names=[q.name for p in (plan, *others) for q in p.delay_queues],
+        read_from=admin.node,
     )
+    unacked = None
+    if api_queues is not None:
+        unacked = {
+            q.name: api_queues[q.name].unacked
+            for q in plan.ready_queues.values()
+            if q.name in api_queues
+        }
     by_queue = None
     if failed_jobs is not None:
         by_queue = Counter(entry.job.queue if entry.job else None for entry in failed_jobs)
@@ -361,6 +376,7 @@ def collect(settings: DeferredSettings) -> Status:
         failed_by_queue=by_queue,
         unacked=unacked,
         taken_at=datetime.now(UTC),
+        cluster=view,
     )
     return Status(snapshot, failed_jobs)
 
@@ -451,4 +467,38 @@ def render_text(snapshot: Snapshot) -> str:
             "(unacked: n/a: AMQP does not report messages a worker holds; they show when "
             "RabbitMQ's management API answers)"
         )
+    if snapshot.cluster is not None:
+        quorum = snapshot.topologies[0].queue_type == "quorum"
+        lines += ["", *render_cluster(snapshot.cluster, quorum=quorum)]
     return "\n".join(lines)
+
+
+def render_cluster(view: ClusterView, *, quorum: bool = True) -> list[str]:
+    """The cluster part of ``deferred_status``: nodes, leaders, stuck dead-letters.
+
+    One line for a single broker with no management API: there is nothing
+    more to tell.
+    """
+    if view.nodes_source == "amqp" and len(view.nodes) == 1:
+        return [f"read from {view.read_from}"]
+    source = "management API" if view.nodes_source == "management" else "AMQP"
+    lines = [f"read from {view.read_from}; nodes (from the {source}):"]
+    for node in view.nodes:
+        alarms = f"  alarms: {', '.join(node.alarms)}" if node.alarms else ""
+        lines.append(f"  {node.name:<40} {node.state}{alarms}")
+    if view.leaders is not None:
+        lines.append(
+            "queue leaders per node: "
+            + (", ".join(f"{node} {count}" for node, count in view.leaders.items()) or "none")
+        )
+    if view.stuck is None:
+        if quorum:
+            lines.append("stuck dead-letters: unknown (needs RabbitMQ's management API)")
+    elif not view.stuck:
+        lines.append("stuck dead-letters: none")
+    for stuck in view.stuck or ():
+        lines.append(
+            f"STUCK: {stuck.jobs} dead-lettered job(s) in {stuck.queue} have not moved for "
+            f"{stuck.for_s:.0f} s (leader {stuck.leader}): run `python manage.py deferred_repair`"
+        )
+    return lines

@@ -221,21 +221,28 @@ def levels_for(max_units: int, radix: int) -> int:
     return levels
 
 
-def _queue_arguments(queue_type: str) -> dict[str, Any]:
+def _queue_arguments(queue_type: str, group_size: int) -> dict[str, Any]:
     if queue_type == "quorum":
-        return {"x-queue-type": "quorum"}
+        return {
+            "x-queue-type": "quorum",
+            # Copies on this many nodes (RabbitMQ caps it at the cluster's size).
+            "x-quorum-initial-group-size": group_size,
+            # Leaders spread over the nodes, not all on the node the topology
+            # was declared through: the hops' work is spread with them.
+            "x-queue-leader-locator": "balanced",
+        }
     return {}
 
 
 def _ready_queue_arguments(
-    queue_type: str, failed_exchange: str, delivery_limit: int
+    queue_type: str, group_size: int, failed_exchange: str, delivery_limit: int
 ) -> dict[str, Any]:
     # A job that kills the worker every time is redelivered every time: a
     # quorum queue counts deliveries and, past the limit, dead-letters the job
     # to the failed queue instead of looping forever (classic queues cannot
     # count; the worker does it for them). Nothing else makes a ready queue
     # dead-letter.
-    args = {**_queue_arguments(queue_type), "x-dead-letter-exchange": failed_exchange}
+    args = {**_queue_arguments(queue_type, group_size), "x-dead-letter-exchange": failed_exchange}
     if queue_type == "quorum":
         args["x-delivery-limit"] = delivery_limit
         # The move to the failed queue is confirmed too, like the delay hops.
@@ -244,21 +251,21 @@ def _ready_queue_arguments(
     return args
 
 
-def _kept_queue_arguments(queue_type: str) -> dict[str, Any]:
+def _kept_queue_arguments(queue_type: str, group_size: int) -> dict[str, Any]:
     # The failed and registry queues are read by taking messages and handing
     # them back. RabbitMQ 4 gives quorum queues a default delivery limit of 20
     # and would drop an entry read that often: set one that is never reached.
-    args = _queue_arguments(queue_type)
+    args = _queue_arguments(queue_type, group_size)
     if queue_type == "quorum":
         args["x-delivery-limit"] = 1_000_000_000
     return args
 
 
 def _delay_queue_arguments(
-    queue_type: str, ttl_ms: int, dead_letter_exchange: str
+    queue_type: str, group_size: int, ttl_ms: int, dead_letter_exchange: str
 ) -> dict[str, Any]:
     args: dict[str, Any] = {
-        **_queue_arguments(queue_type),
+        **_queue_arguments(queue_type, group_size),
         "x-message-ttl": ttl_ms,
         "x-dead-letter-exchange": dead_letter_exchange,
     }
@@ -282,6 +289,7 @@ def plan_topology(settings: DeferredSettings) -> Plan:
         queue_type=settings.queue_type,
         queues=settings.queues,
         delivery_limit=settings.delivery_limit,
+        group_size=settings.quorum_group_size,
     )
 
 
@@ -295,6 +303,7 @@ def build_plan(
     queues: tuple[str, ...] | list[str],
     levels: int | None = None,
     delivery_limit: int = 5,
+    group_size: int = 3,
 ) -> Plan:
     """Compute a topology from its defining values.
 
@@ -351,7 +360,9 @@ def build_plan(
             delay_queues.append(
                 Queue(
                     name=f"{base}.L{level:02d}.d{digit:02d}",
-                    arguments=_delay_queue_arguments(queue_type, ttl_ms, level_exchange(level)),
+                    arguments=_delay_queue_arguments(
+                        queue_type, group_size, ttl_ms, level_exchange(level)
+                    ),
                     ttl_ms=ttl_ms,
                     level=level,
                     digit=digit,
@@ -376,7 +387,8 @@ def build_plan(
     # No digit left: to the ready queue named by the last word.
     ready_queues = {
         name: Queue(
-            f"{prefix}.ready.{name}", _ready_queue_arguments(queue_type, failed, delivery_limit)
+            f"{prefix}.ready.{name}",
+            _ready_queue_arguments(queue_type, group_size, failed, delivery_limit),
         )
         for name in queues
     }
@@ -399,7 +411,7 @@ def build_plan(
         delay_queues=tuple(delay_queues),
         bindings=tuple(bindings),
         ready_queues=ready_queues,
-        failed_queue=Queue(failed, _kept_queue_arguments(queue_type)),
+        failed_queue=Queue(failed, _kept_queue_arguments(queue_type, group_size)),
         failed_exchange=Exchange(failed, "fanout"),
-        registry_queue=Queue(f"{prefix}.topologies", _kept_queue_arguments(queue_type)),
+        registry_queue=Queue(f"{prefix}.topologies", _kept_queue_arguments(queue_type, group_size)),
     )

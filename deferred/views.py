@@ -84,8 +84,25 @@ def status_page(request: HttpRequest) -> HttpResponse:
         ],
         old_topologies=snapshot.topologies[1:],
         consumers=sum(q.consumers or 0 for q in snapshot.queues),
+        cluster_nodes=_cluster_nodes(snapshot),
     )
     return render(request, "deferred/status.html", context)
+
+
+def _cluster_nodes(snapshot: status.Snapshot) -> list[dict[str, Any]]:
+    """Each node with its state and how many of the topology's queues it leads."""
+    view = snapshot.cluster
+    if view is None:
+        return []
+    return [
+        {
+            "name": node.name,
+            "state": node.state,
+            "alarms": node.alarms,
+            "leaders": None if view.leaders is None else view.leaders.get(node.name, 0),
+        }
+        for node in view.nodes
+    ]
 
 
 def _chosen(request: HttpRequest) -> list[str] | None:

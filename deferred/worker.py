@@ -37,6 +37,7 @@ from deferred.broker import (
     publisher,
     verify_topology,
 )
+from deferred.cluster import management_api
 from deferred.conf import DeferredSettings, get_settings
 from deferred.delays import capped_delay_ms
 from deferred.jobs import BrokenMessage, Job, utcnow
@@ -45,6 +46,7 @@ from deferred.retries import Decision
 from deferred.runnable import resolve
 from deferred.tasks import UnknownTask
 from deferred.topology import plan_topology
+from deferred.watch import StuckWatch
 
 logger = logging.getLogger("deferred.worker")
 
@@ -96,7 +98,7 @@ class Worker:
         plan = plan_topology(self.settings)
         self.plan = plan
         self.consumer = Consumer(
-            self.settings.broker_url,
+            self.settings.broker_urls,
             [plan.ready_queues[q].name for q in names],
             prefetch=concurrency,
             shared_prefetch=self.settings.queue_type == "classic",
@@ -138,19 +140,23 @@ class Worker:
         """
         previous = self._install_signals()
         self._executor = ThreadPoolExecutor(self.concurrency, thread_name_prefix="deferred-job")
+        watch = self._stuck_watch()
+        if watch is not None:
+            watch.start()
         wait_s = RECONNECT_FIRST_S
         try:
             while not self._stopping.is_set():
                 try:
                     if not self.settings.declare:
-                        verify_topology(self.settings.broker_url, self.plan)
+                        verify_topology(self.settings.broker_urls, self.plan)
                         # Its retries and reschedules need not check again.
                         note_verified(self.settings)
                     self.consumer.start(self._on_delivery)
                     self.consuming.set()
                     logger.info(
-                        "Worker consuming %s with concurrency %d.",
+                        "Worker consuming %s at %s with concurrency %d.",
                         ", ".join(self.consumer.queues),
+                        self.consumer.node.address if self.consumer.node else "?",
                         self.concurrency,
                     )
                     wait_s = RECONNECT_FIRST_S
@@ -176,10 +182,18 @@ class Worker:
                     wait_s = min(wait_s * 2, RECONNECT_CAP_S)
         finally:
             self.consuming.clear()
+            if watch is not None:
+                watch.stop()
             self._executor.shutdown(wait=True)
             self.consumer.close()
             self._restore_signals(previous)
             logger.info("Worker stopped.")
+
+    def _stuck_watch(self) -> StuckWatch | None:
+        """On quorum queues, a watch over stuck dead-letters, if the management API may be asked."""
+        if self.settings.queue_type != "quorum" or not self.settings.management_urls:
+            return None
+        return StuckWatch(self.settings, self.plan.prefix, management_api(self.settings))
 
     def _drain(self) -> None:
         """Keep doing I/O (acks, heartbeats) until no job is running."""
@@ -381,7 +395,7 @@ class Worker:
             self._fail(job, delivery, failures.DELIVERY_LIMIT, error)
             self._log(job, 0.0, "failed", 0.0, f"reason=delivery_limit deliveries={count}")
             return "failed"
-        publisher(self.settings.broker_url).publish(
+        publisher(self.settings.broker_urls, self.settings.publish_timeout_s).publish(
             "",
             delivery.queue,
             delivery.body,

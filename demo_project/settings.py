@@ -75,11 +75,18 @@ USE_I18N = False
 STATIC_URL = "static/"
 
 DEFERRED = {
-    "BROKER_URL": env.str("DEFERRED_BROKER_URL", default="amqp://guest:guest@127.0.0.1:5672/%2F"),
+    # One URL, or several separated by commas (the nodes of a cluster).
+    "BROKER_URL": env.list(
+        "DEFERRED_BROKER_URL", default=["amqp://guest:guest@127.0.0.1:5672/%2F"]
+    ),
     # A prefix of its own, so the demo never shares queues with another app on the broker.
     "PREFIX": env.str("DEFERRED_PREFIX", default="deferred-demo"),
     "QUEUES": ["default"],
+    # "quorum" for replicated queues on a cluster.
+    "QUEUE_TYPE": env.str("DEFERRED_QUEUE_TYPE", default="classic"),
 }
+if env.str("DEFERRED_MANAGEMENT_URL", default=""):
+    DEFERRED["MANAGEMENT_URL"] = env.list("DEFERRED_MANAGEMENT_URL")
 
 # The worker logs one line per job (lateness, outcome, duration): show them.
 LOGGING = {

@@ -7,16 +7,35 @@
 # distribution's packages first. Exits non-zero if no broker answers in the end.
 set -euo pipefail
 
-url="${DEFERRED_BROKER_URL:-amqp://guest:guest@127.0.0.1:5672/%2F}"
-hostport="${url#*://}"
-hostport="${hostport#*@}"
-hostport="${hostport%%/*}"
-hostport="${hostport%%\?*}"
-host="${hostport%%:*}"
-port=5672
-[[ "$hostport" == *:* ]] && port="${hostport##*:}"
+urls="${DEFERRED_BROKER_URL:-amqp://guest:guest@127.0.0.1:5672/%2F}"
+host_port() {
+    local hostport="${1#*://}"
+    hostport="${hostport#*@}"
+    hostport="${hostport%%/*}"
+    hostport="${hostport%%\?*}"
+    host="${hostport%%:*}"
+    port=5672
+    [[ "$hostport" == *:* ]] && port="${hostport##*:}"
+    return 0
+}
 
 answers() { (exec 3<>"/dev/tcp/$host/$port") 2>/dev/null; }
+
+# A comma-separated list is a cluster: any node that answers will do. Its
+# nodes are not started here (for the local one: scripts/local-cluster.sh start).
+if [[ "$urls" == *,* ]]; then
+    IFS=, read -ra list <<< "$urls"
+    for one in "${list[@]}"; do
+        host_port "$one"
+        if answers; then
+            echo "RabbitMQ answers on $host:$port, a node of DEFERRED_BROKER_URL."
+            exit 0
+        fi
+    done
+    echo "No node of DEFERRED_BROKER_URL answers (the local cluster: scripts/local-cluster.sh start)." >&2
+    exit 1
+fi
+host_port "$urls"
 
 if answers; then
     echo "RabbitMQ answers on $host:$port."

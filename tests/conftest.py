@@ -27,6 +27,7 @@ from deferred.broker import BrokerUnavailable, admin_channel, connect
 from deferred.conf import get_settings
 from deferred.topology import Plan, plan_topology, recorded_plan
 from deferred.worker import Worker
+from tests.cluster import Cluster, cluster_session
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -43,7 +44,7 @@ def wait_for(predicate: Callable[[], object], timeout: float, interval: float = 
 
 @pytest.fixture(scope="session")
 def broker_url() -> str:
-    url = get_settings().broker_url
+    url = get_settings().broker_urls[0]
     try:
         connect(url).close()
     except BrokerUnavailable as exc:
@@ -56,6 +57,17 @@ def _every_plan(admin, plan: Plan) -> list[Plan]:
     for record in admin.topology_records(plan):
         plans.append(recorded_plan(record, prefix=plan.prefix, queues=tuple(plan.ready_queues)))
     return plans
+
+
+@pytest.fixture(scope="session")
+def local_cluster() -> Iterator[Cluster]:
+    """The three-node cluster of scripts/local-cluster.sh, once per session (fails, never
+    skips, if it cannot start); stopped and removed at the end if this session started it."""
+    try:
+        with cluster_session() as cluster:
+            yield cluster
+    except RuntimeError as exc:
+        pytest.fail(f"The local RabbitMQ cluster is required by this test: {exc}")
 
 
 @pytest.fixture(scope="session")
@@ -147,9 +159,20 @@ def run_worker() -> Iterator[Callable[..., Worker]]:
 class WorkerProcess:
     """``manage.py run_deferred_worker`` as a real subprocess, for signals and kills."""
 
-    def __init__(self, log: Path, *args: str, expect_exit: bool = False) -> None:
+    def __init__(
+        self,
+        log: Path,
+        *args: str,
+        expect_exit: bool = False,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.log = log
-        env = {**os.environ, "DJANGO_SETTINGS_MODULE": "tests.settings", "PYTHONPATH": str(ROOT)}
+        env = {
+            **os.environ,
+            "DJANGO_SETTINGS_MODULE": "tests.settings",
+            "PYTHONPATH": str(ROOT),
+            **(env or {}),
+        }
         self.proc = subprocess.Popen(
             [sys.executable, str(ROOT / "manage.py"), "run_deferred_worker", *args],
             cwd=ROOT,
@@ -183,9 +206,11 @@ class WorkerProcess:
 def worker_process(tmp_path: Path) -> Iterator[Callable[..., WorkerProcess]]:
     made: list[WorkerProcess] = []
 
-    def start(*args: str, expect_exit: bool = False) -> WorkerProcess:
+    def start(
+        *args: str, expect_exit: bool = False, env: dict[str, str] | None = None
+    ) -> WorkerProcess:
         process = WorkerProcess(
-            tmp_path / f"worker-{len(made)}.log", *args, expect_exit=expect_exit
+            tmp_path / f"worker-{len(made)}.log", *args, expect_exit=expect_exit, env=env
         )
         made.append(process)
         return process

@@ -65,8 +65,15 @@ DATABASES = {
 }
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
-DEFERRED = {
-    "BROKER_URL": os.environ.get("DEFERRED_BROKER_URL", "amqp://guest:guest@127.0.0.1:5672/%2F"),
+DEFERRED: dict[str, object] = {
+    # Worker subprocesses of the cluster tests get a list of node URLs.
+    "BROKER_URL": (
+        os.environ["DEFERRED_TEST_BROKER_URLS"].split(",")
+        if os.environ.get("DEFERRED_TEST_BROKER_URLS")
+        else os.environ.get("DEFERRED_BROKER_URL", "amqp://guest:guest@127.0.0.1:5672/%2F").split(
+            ","
+        )
+    ),
     "PREFIX": os.environ.setdefault(
         "DEFERRED_TEST_PREFIX", f"deferred-test-{uuid.uuid4().hex[:8]}"
     ),
@@ -77,6 +84,14 @@ DEFERRED = {
     # Worker subprocesses of the infrastructure-as-code tests run with DECLARE off.
     "DECLARE": os.environ.get("DEFERRED_TEST_DECLARE", "true") == "true",
 }
+if os.environ.get("DEFERRED_TEST_MANAGEMENT_URLS"):
+    DEFERRED["MANAGEMENT_URL"] = os.environ["DEFERRED_TEST_MANAGEMENT_URLS"].split(",")
+if os.environ.get("DEFERRED_TEST_MAX_DELAY"):
+    DEFERRED["MAX_DELAY"] = float(os.environ["DEFERRED_TEST_MAX_DELAY"])
+if os.environ.get("DEFERRED_TEST_STUCK_AFTER"):
+    DEFERRED["STUCK_AFTER"] = float(os.environ["DEFERRED_TEST_STUCK_AFTER"])
+if os.environ.get("DEFERRED_TEST_REPAIR_STUCK"):
+    DEFERRED["REPAIR_STUCK"] = os.environ["DEFERRED_TEST_REPAIR_STUCK"] == "true"
 
 # The django.tasks backend (Django 6, or Django 5.2 with the django-tasks backport).
 TASKS = {"default": {"BACKEND": "deferred.backends.RabbitMQBackend"}}

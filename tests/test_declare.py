@@ -108,6 +108,43 @@ def test_quorum_mode(broker_url, run_worker, records):
         assert all(at[n] >= start + int(n) * 0.2 for n in at)
 
 
+def test_quorum_queues_declared_before_placement_settings_are_kept_with_a_warning(
+    broker_url, raw_channel
+):
+    # Given the shared ready queue of an earlier version: quorum, but without
+    # the group size and leader locator (placement is fixed at creation)
+    with own_prefix(broker_url, QUEUE_TYPE="quorum", RADIX=16) as prefix:
+        ready = f"{prefix}.ready.default"
+        old = {
+            "x-queue-type": "quorum",
+            "x-dead-letter-exchange": f"{prefix}.failed",
+            "x-delivery-limit": 5,
+            "x-dead-letter-strategy": "at-least-once",
+            "x-overflow": "reject-publish",
+        }
+        raw_channel.queue_declare(ready, durable=True, arguments=old)
+        # When the topology is declared, Then it succeeds and says what it kept
+        out, err = StringIO(), StringIO()
+        call_command("declare_delay_topology", stdout=out, stderr=err)
+        assert "Declared topology" in out.getvalue()
+        assert f"queue {ready} exists with other replica placement" in err.getvalue()
+        assert "x-quorum-initial-group-size=None" in err.getvalue()
+        # And a second run still succeeds
+        call_command("declare_delay_topology", stdout=StringIO(), stderr=StringIO())
+        # But another difference (here a delivery limit) is still a conflict
+        with (
+            override_settings(DEFERRED={**get_settings_dict(), "DELIVERY_LIMIT": 9}),
+            pytest.raises(CommandError, match="x-delivery-limit"),
+        ):
+            run()
+
+
+def get_settings_dict() -> dict:
+    from django.conf import settings
+
+    return dict(settings.DEFERRED)
+
+
 def test_changing_the_radix_strands_no_pending_job(broker_url, run_worker, records):
     with own_prefix(broker_url, RADIX=2) as prefix:
         base = {"BROKER_URL": broker_url, "PREFIX": prefix, "MAX_DELAY": 60}

@@ -13,7 +13,7 @@ import pytest
 from django.test import override_settings
 from django.utils import timezone
 
-from deferred import defer
+from deferred import defer, defer_many
 from deferred.broker import BrokerUnavailable, TopologyNotDeclared, admin_channel
 from deferred.jobs import Job
 from tests.conftest import depth, rabbitmqctl, total_waiting, wait_for
@@ -247,20 +247,40 @@ def test_a_job_for_an_undeclared_queue_is_kept_in_the_failed_queue(clean, broker
     assert Job.decode(body).id == job_id
 
 
-def test_defer_fails_instead_of_hanging_while_the_broker_blocks_publishers(clean, broker_url):
-    # A memory alarm makes RabbitMQ block publishing connections.
-    url = broker_url + ("&" if "?" in broker_url else "?") + "blocked_connection_timeout=1"
-    rabbitmqctl("set_vm_memory_high_watermark", "0.0000001")
-    try:
-        with override_settings(
-            DEFERRED={"BROKER_URL": url, "PREFIX": clean.prefix, "QUEUES": ["default", "other"]}
-        ):
+def test_defer_fails_instead_of_hanging_while_the_broker_blocks_publishers(
+    clean, broker_url, raw_channel
+):
+    # A memory alarm makes RabbitMQ block publishing connections: defer() gives
+    # up at its one deadline, PUBLISH_TIMEOUT, and names the job it was publishing.
+    base = {"BROKER_URL": broker_url, "PREFIX": clean.prefix, "QUEUES": ["default", "other"]}
+    with override_settings(DEFERRED={**base, "PUBLISH_TIMEOUT": 1.5}):
+        first = defer(record, 0, "p", "connect first")  # the blocked connection is an open one
+        rabbitmqctl("set_vm_memory_high_watermark", "0.0000001")
+        try:
             started = time.monotonic()
-            with pytest.raises(BrokerUnavailable):
+            with pytest.raises(BrokerUnavailable, match="PUBLISH_TIMEOUT") as raised:
                 defer(record, 0, "p", "blocked")
-            assert time.monotonic() - started < 10
-    finally:
-        rabbitmqctl("set_vm_memory_high_watermark", "0.4")
+            took = time.monotonic() - started
+            # The deadline covers the retry: one deadline, not one per attempt.
+            assert 1.5 <= took < 4, took
+            assert raised.value.job_id and raised.value.job_ids == (raised.value.job_id,)
+            started = time.monotonic()
+            with pytest.raises(BrokerUnavailable) as many:
+                defer_many([(record, 0, ("p", "a")), (record, 0, ("p", "b"))])
+            assert time.monotonic() - started < 4
+            assert len(many.value.job_ids) == 2 and many.value.job_id == many.value.job_ids[0]
+        finally:
+            rabbitmqctl("set_vm_memory_high_watermark", "0.4")
+    # The outcome is unknown, not "nothing published": once the alarm clears,
+    # the broker may well have taken the job the call gave up on.
+    time.sleep(1.5)
+    ready = clean.ready_queues["default"].name
+    bodies = []
+    while (message := raw_channel.basic_get(ready, auto_ack=True))[0] is not None:
+        bodies.append(Job.decode(message[2]).id)
+    assert first in bodies
+    assert set(bodies) <= {first, raised.value.job_id, *many.value.job_ids}
+    assert total_waiting(raw_channel, clean) == 0
 
 
 def test_defer_many_publishes_all_in_one_go(clean, records, run_worker):

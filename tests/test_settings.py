@@ -17,7 +17,8 @@ def settings_for(**values):
 
 def test_defaults():
     s = settings_for()
-    assert s.broker_url == "amqp://guest:guest@127.0.0.1:5672/%2F"
+    assert s.broker_urls == ("amqp://guest:guest@127.0.0.1:5672/%2F",)
+    assert s.broker_url == s.broker_urls[0]
     assert s.prefix == "deferred"
     assert s.radix == 16
     assert s.resolution_ms == 1

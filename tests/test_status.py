@@ -21,8 +21,9 @@ from django.core.management import CommandError, call_command
 from django.test import override_settings
 
 from deferred import defer, status
-from deferred.broker import QueueStats, unacked_counts
+from deferred.broker import QueueStats
 from deferred.conf import _build, get_settings
+from deferred.http_api import ManagementAPI
 from deferred.topology import Plan, build_plan
 from tests.conftest import ROOT, depth, wait_for
 from tests.testapp.tasks import explode, record
@@ -146,14 +147,20 @@ def test_render_text_says_unacked_is_unknown() -> None:
 
 
 class _ManagementStub(BaseHTTPRequestHandler):
-    queues = {"/api/queues/%2F/q.ready": {"messages_unacknowledged": 3}}
+    queues = {
+        "/api/queues/%2F": [
+            {"name": "q.ready", "messages_unacknowledged": 3},
+            {"name": "other.ready", "messages_unacknowledged": 9},
+        ],
+        "/api/queues/moved": [],
+    }
 
     def do_GET(self) -> None:
-        body = self.queues.get(self.path)
-        if self.path.endswith("/q.moved"):
+        body = self.queues.get(self.path.split("?")[0])
+        if self.path.startswith("/api/queues/moved"):
             self.send_response(302)
             # To a URL that would answer: only refusing the redirect gives None.
-            self.send_header("Location", self.path.replace("q.moved", "q.ready"))
+            self.send_header("Location", self.path.replace("moved", "%2F"))
             self.end_headers()
         elif self.headers.get("Authorization") != "Basic Z3Vlc3Q6Z3Vlc3Q=":  # guest:guest
             self.send_response(401)
@@ -177,32 +184,45 @@ def test_unacked_counts_from_the_management_api() -> None:
     threading.Thread(target=server.serve_forever, daemon=True).start()
     api = f"http://127.0.0.1:{server.server_port}/"
     url = "amqp://guest:guest@127.0.0.1:5672/%2F"
+
+    def unacked(broker: str, api_urls: list[str], queues: list[str]) -> dict[str, int] | None:
+        return ManagementAPI(api_urls, broker).unacked("q", queues)
+
     try:
-        # Then it answers per queue, a missing queue has nothing unacked
-        assert unacked_counts(url, ["q.ready", "q.gone"], api_url=api) == {"q.ready": 3}
+        # Then it answers per queue of the prefix; a missing queue has nothing unacked
+        assert unacked(url, [api], ["q.ready", "q.gone"]) == {"q.ready": 3}
+        # A dead node's API is passed over for the next one
+        dead = "http://127.0.0.1:1/"
+        assert unacked(url, [dead, api], ["q.ready"]) == {"q.ready": 3}
         # And refused credentials, no API, or no URL mean "unknown"
         bad = "amqp://guest:nope@127.0.0.1:5672/%2F"
-        assert unacked_counts(bad, ["q.ready"], api_url=api) is None
+        assert unacked(bad, [api], ["q.ready"]) is None
         with_own = f"http://guest:guest@127.0.0.1:{server.server_port}"
-        assert unacked_counts(bad, ["q.ready"], api_url=with_own) == {"q.ready": 3}
+        assert unacked(bad, [with_own], ["q.ready"]) == {"q.ready": 3}
         # A redirect is not followed: it would carry the credentials elsewhere
-        assert unacked_counts(url, ["q.moved"], api_url=api) is None
+        assert unacked("amqp://guest:guest@127.0.0.1:5672/moved", [api], ["q.ready"]) is None
     finally:
         server.shutdown()
-    assert unacked_counts(url, ["q.ready"], api_url=api) is None
-    assert unacked_counts(url, ["q.ready"], api_url=None) is None
+    assert unacked(url, [api], ["q.ready"]) is None
+    assert unacked(url, [], ["q.ready"]) is None
 
 
 def test_management_url_setting() -> None:
     base = {"BROKER_URL": "amqp://u:p@rabbit.example:5673/v"}
-    assert _build(base).management_url == "http://rabbit.example:15672/"
+    assert _build(base).management_urls == ("http://rabbit.example:15672/",)
     # An encrypted broker connection: the API is asked over HTTPS only
     tls = {"BROKER_URL": "amqps://u:p@rabbit.example:5671/v"}
-    assert _build(tls).management_url == "https://rabbit.example:15671/"
-    assert _build({**base, "MANAGEMENT_URL": False}).management_url is None
-    assert _build({**base, "MANAGEMENT_URL": "https://m:1/"}).management_url == "https://m:1/"
-    with pytest.raises(ImproperlyConfigured, match="MANAGEMENT_URL"):
-        _build({**base, "MANAGEMENT_URL": "rabbit:15672"})
+    assert _build(tls).management_urls == ("https://rabbit.example:15671/",)
+    assert _build({**base, "MANAGEMENT_URL": False}).management_urls == ()
+    assert _build({**base, "MANAGEMENT_URL": "https://m:1/"}).management_urls == ("https://m:1/",)
+    # A cluster: each node's host, in the order of BROKER_URL
+    nodes = {"BROKER_URL": ["amqp://u:p@a:5672/v", "amqp://u:p@b:5672/v", "amqp://u:p@a:5673/v"]}
+    assert _build(nodes).management_urls == ("http://a:15672/", "http://b:15672/")
+    listed = {**nodes, "MANAGEMENT_URL": ["http://a:15681/", "http://b:15682/"]}
+    assert _build(listed).management_urls == ("http://a:15681/", "http://b:15682/")
+    for bad in ("rabbit:15672", [], ["http://ok/", 5]):
+        with pytest.raises(ImproperlyConfigured, match="MANAGEMENT_URL"):
+            _build({**base, "MANAGEMENT_URL": bad})
 
 
 # --------------------------------------------------------------------------- broker

@@ -20,6 +20,14 @@ def record(path: str, label: str) -> None:
     _append(path, label=label, event="ran")
 
 
+@task(name="tests.timed")
+def timed(path: str, label: str) -> None:
+    """Records its job's id and due time, to measure lateness and duplicates."""
+    job = current_job()
+    assert job is not None
+    _append(path, label=label, event="ran", job=job.id, due=job.due.timestamp())
+
+
 @task(name="tests.sleepy")
 def sleepy(path: str, label: str, seconds: float) -> None:
     _append(path, label=label, event="start")

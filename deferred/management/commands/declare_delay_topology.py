@@ -9,6 +9,8 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from deferred import export
 from deferred.broker import Admin, BrokerError, DeclareReport, admin_channel, vhost_of
+from deferred.cluster import leaders_per_node, management_api
+from deferred.http_api import ManagementAPI
 from deferred.management.arguments import command_settings
 from deferred.topology import Plan, plan_topology, recorded_plan
 
@@ -63,7 +65,7 @@ class Command(BaseCommand):
         if fmt in IAC_FORMATS:
             if options["list"] or options["remove_empty"] or options["check"]:
                 raise CommandError(f"--format {fmt} only prints; it takes no other action.")
-            vhost = options["vhost"] or vhost_of(settings.broker_url)
+            vhost = options["vhost"] or vhost_of(settings.broker_urls)
             if fmt == "definitions":
                 self._emit(export.definitions(plan, vhost=vhost), True)
             else:
@@ -78,10 +80,17 @@ class Command(BaseCommand):
                 "deferred deletes nothing either. Remove old topologies there once "
                 "--list shows no job waiting in them."
             )
+        api = management_api(settings)
         try:
-            with admin_channel(settings.broker_url) as admin:
+            with admin_channel(settings.broker_urls) as admin:
                 if options["list"] or options["remove_empty"]:
                     rows = _list(admin, plan, settings.queues, remove=options["remove_empty"])
+                    api_queues = api.queues(plan.prefix) if api.enabled else None
+                    for row in rows:
+                        delay_queues = row.pop("delay_queues")
+                        # Only the management API knows where leaders are.
+                        if api_queues is not None:
+                            row["leaders"] = leaders_per_node(api_queues, delay_queues)
                     self._emit(rows if as_json else _rows_text(rows), as_json)
                 elif options["check"] or not settings.declare:
                     missing = admin.missing(plan)
@@ -93,10 +102,30 @@ class Command(BaseCommand):
                         admin.record(plan)
                 else:
                     self._declared(plan, admin.declare(plan), as_json, options["verbosity"])
+                    self._warn_if_classic_on_a_cluster(plan, len(settings.broker_urls), api)
         except BrokerError as exc:
             raise CommandError(str(exc)) from exc
 
+    def _warn_if_classic_on_a_cluster(self, plan: Plan, urls: int, api: ManagementAPI) -> None:
+        """Classic queues live on one node each: say what a node loss then costs."""
+        if plan.queue_type != "classic":
+            return
+        nodes = api.nodes() if api.enabled else None
+        size = len(nodes) if nodes is not None else urls
+        if size > 1:
+            self.stderr.write(
+                self.style.WARNING(
+                    f"Warning: classic queues on a cluster of {size} nodes: each queue lives on "
+                    "one node. While a node is down, the jobs in its delay and ready queues "
+                    "wait for it (they are not lost if its disk survives), and its queues take "
+                    "and deliver nothing. For replicated queues set QUEUE_TYPE to 'quorum' "
+                    "(under a new PREFIX: see the README's 'Running on a cluster')."
+                )
+            )
+
     def _declared(self, plan: Plan, report: DeclareReport, as_json: bool, verbosity: int) -> None:
+        for warning in report.warnings:
+            self.stderr.write(self.style.WARNING(f"Warning: {warning}."))
         if as_json:
             self._emit(
                 {**plan.describe(), "changed": report.changed, "created": report.created}, True
@@ -159,6 +188,7 @@ def _list(
             "current": old.topology_id == plan.topology_id,
             "pending": pending,
             "removed": False,
+            "delay_queues": [q.name for q in old.delay_queues],
         }
         if remove and not row["current"] and not pending:
             admin.remove(old)
@@ -204,4 +234,7 @@ def _rows_text(rows: list[dict[str, Any]]) -> str:
         pending = "missing" if row["pending"] is None else f"{row['pending']} job(s) waiting"
         removed = ", removed" if row["removed"] else ""
         out.append(f"{row['topology']}  {state}  {pending}{removed}")
+        if row.get("leaders"):
+            leaders = ", ".join(f"{node} {n}" for node, n in row["leaders"].items())
+            out.append(f"  delay-queue leaders per node: {leaders}")
     return "\n".join(out)
