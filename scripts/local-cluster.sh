@@ -268,8 +268,17 @@ boot() {
     done
     for n in "$@"; do
         wait_up "$n" && continue
-        # A node refused to boot: if a running cluster does not know it, its
-        # data is stale; boot it once more from an empty folder.
+        # A node that boots beside peers that are booting too can die syncing
+        # feature flags with a peer whose registry is half built (RabbitMQ
+        # 3.10: incompatible_feature_flags, badmap undefined): boot it again
+        # now that the others are up.
+        log_tail "$n" 2> "$(node_dir "$n")/first-boot.log"
+        echo "Booting $(name "$n") once more (its first boot failed; log kept in first-boot.log)..."
+        hard_kill "$n"
+        launch "$n"
+        wait_up "$n" && continue
+        # Still refused: if a running cluster does not know it, its data is
+        # stale; boot it once more from an empty folder (join() re-adds it).
         if [ "$n" != 1 ] && ref="$(reference "$n")" &&
             ! lists "$(cluster_list "$ref" disk_nodes)" "$(name "$n")"; then
             hard_kill "$n"
