@@ -28,6 +28,7 @@ from typing import Any, NoReturn
 import pika
 import pika.exceptions as px
 from pika.adapters.blocking_connection import BlockingChannel
+from pika.adapters.utils import connection_workflow
 
 from deferred.topology import Plan, Queue
 
@@ -74,7 +75,17 @@ class PublishRefused(BrokerUnavailable):
     """
 
 
-_CONNECTION_ERRORS = (px.AMQPConnectionError, px.ChannelWrongStateError, ConnectionError, OSError)
+# pika hands a failed handshake's own error up as it is (a stack timeout: a
+# node that accepts the TCP connection and then never answers), not as an
+# AMQPConnectionError.
+_CONNECTION_ERRORS = (
+    px.AMQPConnectionError,
+    px.ChannelWrongStateError,
+    ConnectionError,
+    OSError,
+    connection_workflow.AMQPConnectorException,
+    connection_workflow.AMQPConnectionWorkflowFailed,
+)
 
 _NOT_DECLARED_HINT = (
     "Run `python manage.py declare_delay_topology` (once per deploy) to create it; with "
@@ -169,7 +180,8 @@ def open_connection(
     all_urls = as_urls(urls)
     deadline = None if timeout is None else time.monotonic() + timeout
     failures = []
-    for index in failover.order(all_urls):
+    order = failover.order(all_urls)
+    for position, index in enumerate(order):
         url = all_urls[index]
         params = pika.URLParameters(url)
         if "blocked_connection_timeout" not in url:
@@ -180,8 +192,16 @@ def open_connection(
             if remaining <= 0:
                 failures.append(f"{safe_url(url)}: not tried, out of time")
                 continue
-            params.socket_timeout = min(params.socket_timeout or remaining, remaining)
-            params.stack_timeout = min(params.stack_timeout or remaining, remaining)
+            # A node that died without a word (no RST: a lost host, a dropped
+            # route) holds a connect until its timeout: each node gets an equal
+            # share of what is left, so one such node cannot eat the deadline
+            # of the nodes after it. URL options that retry (connection_attempts,
+            # retry_delay) would wait past the share: one attempt each here.
+            share = remaining / (len(order) - position)
+            params.socket_timeout = min(params.socket_timeout or share, share)
+            params.stack_timeout = min(params.stack_timeout or share, share)
+            params.connection_attempts = 1
+            params.retry_delay = 0
         try:
             connection = pika.BlockingConnection(params)
         except (*_CONNECTION_ERRORS, px.AMQPError) as exc:
@@ -303,7 +323,7 @@ class Publisher:
         # drop it without closing, or the parent's connection would be closed.
         if connection is not None and local.pid == os.getpid():
             _close_quietly(connection)
-        local.connection = local.channel = local.tx_channel = local.node = None
+        local.connection = local.channel = local.batch_channel = local.node = None
         local.pid = None
 
     def close(self) -> None:
@@ -343,50 +363,41 @@ class Publisher:
         self._send(send, exchange)
 
     def publish_many(self, messages: list[Outgoing]) -> None:
-        """Publish persistent messages in one AMQP transaction: one round trip for all.
+        """Publish persistent messages with confirms, all sent before any is awaited.
 
-        Waiting for a confirm per message caps one thread at about a thousand
-        messages a second; a transaction commits the whole batch at once and
-        is just as durable. ``mandatory`` still applies: RabbitMQ returns an
-        unroutable message before it answers the commit.
+        Waiting for each confirm in turn caps one thread at about a thousand
+        messages a second; here every message is written at once and the
+        confirms are collected as they come, one round trip for the batch.
+
+        Not an AMQP transaction: on a quorum queue without a leader a
+        transaction's commit fails as a whole ("partial tx completion") and
+        says nothing of which messages were taken, and RabbitMQ 3.10 was seen
+        to answer commit-ok for messages that never reached their queue while
+        a node rejoined its cluster. Confirms are per message: a nacked one,
+        or one unconfirmed when the connection is lost, is sent again (to the
+        next node if the connection went), the confirmed ones are not.
+        ``mandatory`` still applies: RabbitMQ returns an unroutable message
+        before it confirms it.
         """
+        todo = list(messages)
 
         def send() -> None:
             local = self._local
-            tx: BlockingChannel | None = getattr(local, "tx_channel", None)
-            if tx is None or not tx.is_open:
-                tx = local.connection.channel()
-                tx.tx_select()
-                # Registered once per channel, so it collects into a list kept
-                # beside the channel, not into this call's.
-                returns: list[str] = []
-                tx.add_on_return_callback(
-                    lambda _ch, _method, props, _body: returns.append(props.message_id or "?")
-                )
-                local.tx_channel, local.tx_returned = tx, returns
-            returned: list[str] = local.tx_returned
-            returned.clear()
-            # The channel's own basic_publish flushes the socket after every
-            # message; inside a transaction nothing is answered before the
-            # commit, so hand the frames to pika's underlying channel and let
-            # the commit flush them all at once.
-            raw = tx._impl
-            for message in messages:
-                raw.basic_publish(
-                    message.exchange,
-                    message.routing_key,
-                    message.body,
-                    _properties(message.message_id, None),
-                    mandatory=True,
-                )
-            tx.tx_commit()
-            local.connection.process_data_events(0)  # deliver the returns
+            channel: BlockingChannel | None = getattr(local, "batch_channel", None)
+            if channel is None or not channel.is_open:
+                channel = local.connection.channel()
+                local.batch_channel = _ConfirmedBatches(channel)
+            batches: _ConfirmedBatches = local.batch_channel
+            refused, returned = batches.publish(todo)
             if returned:
                 raise TopologyNotDeclared(
                     f"{len(returned)} of {len(messages)} message(s) could not be routed "
                     f"(job ids {', '.join(returned[:5])}...): the delay topology or a target "
                     f"queue is missing. {_NOT_DECLARED_HINT}"
                 )
+            todo[:] = refused
+            if refused:
+                raise _Refused()
 
         self._send(send, ", ".join(sorted({m.exchange for m in messages})))
 
@@ -404,20 +415,25 @@ class Publisher:
         pause = REFUSED_PAUSE_S
         while True:
             remaining = deadline - time.monotonic()
+            # A node that dies without a word (no RST) never confirms: with
+            # another node to go to, the first try waits for at most half the
+            # deadline, then counts as a lost connection and the rest goes to
+            # the next node.
+            patience = remaining if losses or len(self.urls) == 1 else self.timeout / 2
             try:
                 if remaining <= 0:
                     raise _DeadlineExceeded("no time left to retry")
                 connection = self._connection(remaining)
-                with _deadline(connection, deadline - time.monotonic()):
+                with _deadline(connection, min(patience, deadline - time.monotonic())):
                     send()
                 return
             except _Refused as exc:
                 if time.monotonic() + pause >= deadline:
                     raise PublishRefused(
-                        f"RabbitMQ refused the message for exchange {exchange!r} (negative "
+                        f"RabbitMQ refused the message(s) for exchange {exchange!r} (negative "
                         f"confirm) until PUBLISH_TIMEOUT ({self.timeout:g} s) ran out: a queue "
-                        "it routes to has no leader (a node is down?) or is full. Nothing of "
-                        "the refused publish was taken."
+                        "it routes to has no leader (a node is down?) or is full. A refused "
+                        "message was not taken; of a batch, the others may have been."
                     ) from exc
                 time.sleep(pause)
                 pause = min(pause * 2, REFUSED_PAUSE_CAP_S)
@@ -429,11 +445,26 @@ class Publisher:
                         f"{exc.reply_text}). {_NOT_DECLARED_HINT}"
                     ) from exc
                 raise BrokerError(f"RabbitMQ closed the channel: {exc.reply_text}") from exc
-            except BrokerUnavailable:
+            except BrokerUnavailable as exc:
                 self._forget()
+                if losses:
+                    raise BrokerUnavailable(
+                        f"The connection was lost while publishing (the broker may or may not "
+                        f"have taken the message), and then: {exc}"
+                    ) from exc
                 raise
             except _DeadlineExceeded as exc:
+                node = self.node
                 self._forget(lost=True)
+                if losses == 0 and deadline - time.monotonic() > 0.1 and len(self.urls) > 1:
+                    losses += 1
+                    logger.warning(
+                        "RabbitMQ%s did not answer within %.1f s while publishing; trying "
+                        "again on the next node.",
+                        f" at {node.address}" if node else "",
+                        patience,
+                    )
+                    continue
                 raise BrokerUnavailable(
                     f"RabbitMQ did not confirm the publish within PUBLISH_TIMEOUT "
                     f"({self.timeout:g} s): the broker may or may not have taken it (a blocked "
@@ -458,7 +489,70 @@ class Publisher:
 
 
 class _Refused(Exception):
-    """A negative confirm: the broker did not take the message (retried until the deadline)."""
+    """A negative confirm: the broker did not take the message(s) (retried until the deadline)."""
+
+
+class _ConfirmedBatches:
+    """A channel in confirm mode whose confirms are collected per message.
+
+    pika's ``BlockingChannel`` waits for each confirm before the next
+    publish; this drives the channel underneath it, numbering the messages
+    as the broker does (from 1, per channel) to match acks and nacks.
+    """
+
+    def __init__(self, channel: BlockingChannel) -> None:
+        self.channel = channel
+        self.is_open = True
+        self._seq = 0
+        self._pending: dict[int, Outgoing] = {}
+        self._refused: list[Outgoing] = []
+        self._returned: list[str] = []
+        selected: list[object] = []
+        raw = channel._impl
+        raw.confirm_delivery(ack_nack_callback=self._on_confirm, callback=selected.append)
+        channel._flush_output(lambda: bool(selected))
+        raw.add_on_return_callback(
+            lambda _ch, _method, props, _body: self._returned.append(props.message_id or "?")
+        )
+
+    def _on_confirm(self, frame: Any) -> None:
+        method = frame.method
+        tags = (
+            [t for t in self._pending if t <= method.delivery_tag]
+            if method.multiple
+            else [method.delivery_tag]
+        )
+        nacked = isinstance(method, pika.spec.Basic.Nack)
+        for tag in tags:
+            message = self._pending.pop(tag, None)
+            if nacked and message is not None:
+                self._refused.append(message)
+
+    def publish(self, messages: list[Outgoing]) -> tuple[list[Outgoing], list[str]]:
+        """Send ``messages`` and wait for every confirm: (the refused ones, ids returned)."""
+        self._refused, self._returned = [], []
+        raw = self.channel._impl
+        sent = 0
+        try:
+            for message in messages:
+                sent += 1
+                self._seq += 1
+                self._pending[self._seq] = message
+                raw.basic_publish(
+                    message.exchange,
+                    message.routing_key,
+                    message.body,
+                    _properties(message.message_id, None),
+                    mandatory=True,
+                )
+            self.channel._flush_output(lambda: not self._pending)
+        except BaseException:
+            # What was not confirmed is sent again on another channel.
+            self.is_open = False
+            messages[:] = [*self._refused, *self._pending.values(), *messages[sent:]]
+            self._pending.clear()
+            raise
+        return self._refused, self._returned
 
 
 @dataclass(frozen=True)
@@ -554,15 +648,24 @@ class _HideProbeMisses(logging.Filter):
 
 
 @contextmanager
-def admin_channel(urls: Urls) -> Iterator[Admin]:
+def admin_channel(urls: Urls, *, timeout: float | None = None) -> Iterator[Admin]:
     """A short-lived connection (to the first node that answers) for declaring,
-    inspecting and removing topologies."""
-    connection, node = open_connection(urls)
+    inspecting and removing topologies.
+
+    ``timeout`` bounds the connect and everything done in the block (a web
+    request that checks the topology must not hang on a silent node).
+    """
+    deadline = None if timeout is None else time.monotonic() + timeout
+    connection, node = open_connection(urls, timeout=timeout)
     quiet = _HideProbeMisses()
     pika_channel_logger = logging.getLogger("pika.channel")
     pika_channel_logger.addFilter(quiet)
     try:
-        yield Admin(connection, node)
+        if deadline is None:
+            yield Admin(connection, node)
+        else:
+            with _deadline(connection, deadline - time.monotonic()):
+                yield Admin(connection, node)
     except px.AMQPConnectionError as exc:
         node.lost()
         raise BrokerUnavailable(
@@ -610,6 +713,8 @@ class Admin:
             frame = self.channel.queue_declare(name, passive=True)
         except px.ChannelClosedByBroker as exc:
             self._reopen()
+            if _home_node_down(exc):
+                raise _unreachable_queue(name, exc, self.node) from exc
             if exc.reply_code == NOT_FOUND:
                 return None
             raise BrokerError(f"Cannot inspect queue {name!r}: {exc.reply_text}") from exc
@@ -831,6 +936,23 @@ class Admin:
             self.channel.exchange_delete(exchange.name)
 
 
+def _home_node_down(exc: px.ChannelClosedByBroker) -> bool:
+    """Whether a 404 means "the queue exists but its node is down", not "no such queue".
+
+    A classic queue lives on one node: while that node is down RabbitMQ
+    answers a declare with 404 "home node ... is down or inaccessible".
+    """
+    return exc.reply_code == NOT_FOUND and "down or inaccessible" in str(exc.reply_text)
+
+
+def _unreachable_queue(name: str, exc: px.ChannelClosedByBroker, node: Node) -> BrokerUnavailable:
+    return BrokerUnavailable(
+        f"Queue {name!r} exists but the node holding it is down (RabbitMQ at {node.address}: "
+        f"{exc.reply_text}). Classic queues are not replicated: QUEUE_TYPE 'quorum' keeps "
+        "every queue available while a node is down."
+    )
+
+
 def not_declared(plan: Plan, missing: list[str], where: str) -> TopologyNotDeclared:
     """The error for a topology that ``DEFERRED['DECLARE'] = False`` forbids us to create."""
     shown = ", ".join(missing[:10]) + (
@@ -845,7 +967,7 @@ def not_declared(plan: Plan, missing: list[str], where: str) -> TopologyNotDecla
     )
 
 
-def verify_topology(urls: Urls, plan: Plan) -> None:
+def verify_topology(urls: Urls, plan: Plan, *, timeout: float | None = None) -> None:
     """Check passively that every exchange and queue of ``plan`` exists.
 
     ``TopologyNotDeclared`` names what is missing; ``BrokerUnavailable`` if
@@ -853,7 +975,7 @@ def verify_topology(urls: Urls, plan: Plan) -> None:
     missing one shows up as an unroutable publish (``mandatory``) or a job in
     the failed queue (alternate exchange), never as a lost job.
     """
-    with admin_channel(urls) as admin:
+    with admin_channel(urls, timeout=timeout) as admin:
         missing = admin.missing(plan)
     if missing:
         raise not_declared(plan, missing, admin.node.address)
@@ -910,6 +1032,8 @@ class Consumer:
                 except px.ChannelClosedByBroker as exc:
                     if exc.reply_code != NOT_FOUND:
                         raise
+                    if _home_node_down(exc):
+                        raise _unreachable_queue(queue, exc, node) from exc
                     raise TopologyNotDeclared(
                         f"Queue {queue!r} does not exist ({exc.reply_text}). {_NOT_DECLARED_HINT}"
                     ) from exc
@@ -934,7 +1058,7 @@ class Consumer:
                     )
 
                 self._tags.append(channel.basic_consume(queue, callback))
-        except TopologyNotDeclared:
+        except (TopologyNotDeclared, BrokerUnavailable):
             _close_quietly(connection)
             raise
         except (*_CONNECTION_ERRORS, px.AMQPError) as exc:

@@ -212,7 +212,9 @@ def _check_topology(settings: DeferredSettings) -> None:
     key = (os.getpid(), settings)
     if key in _verified:
         return
-    broker.verify_topology(settings.broker_urls, plan_topology(settings))
+    broker.verify_topology(
+        settings.broker_urls, plan_topology(settings), timeout=settings.publish_timeout_s
+    )
     note_verified(settings)
 
 

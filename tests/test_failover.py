@@ -18,18 +18,21 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 from io import StringIO
 from typing import Any
 
+import pika
 import pytest
 from django.conf import settings
 from django.core.management import CommandError, call_command
 from django.test import override_settings
 
 from deferred import defer
+from deferred.broker import publisher
 from deferred.conf import get_settings
 from deferred.http_api import ManagementAPI
 from deferred.repair import repair
 from deferred.stuck import StuckQueue
 from deferred.watch import StuckWatch
 from tests.conftest import wait_for
+from tests.silent import SilentRelay
 from tests.testapp.tasks import read_records, record
 
 DEAD = "amqp://guest:guest@127.0.0.1:1/%2F"
@@ -52,6 +55,76 @@ def test_a_dead_first_url_is_passed_over_by_publishers_workers_and_status(
     assert cluster["read_from"] == "127.0.0.1:5672/"
     assert cluster["nodes_source"] == "amqp"
     assert [n["state"] for n in cluster["nodes"]] == ["does not answer", "answers"]
+
+
+def labels(path: str) -> list[str]:
+    return sorted(r["label"] for r in read_records(path))
+
+
+def test_a_node_that_goes_silent_is_left_for_the_next_within_the_deadline(
+    clean, broker_url, run_worker, records
+):
+    # A node whose host is lost sends no RST: the publish's confirm never
+    # comes. With another node listed, defer() waits for half of
+    # PUBLISH_TIMEOUT, then publishes through the next node.
+    run_worker()
+    port = pika.URLParameters(broker_url).port
+    with SilentRelay(port) as relay:
+        urls = [relay.url(), broker_url]
+        with override_settings(
+            DEFERRED={**settings.DEFERRED, "BROKER_URL": urls, "PUBLISH_TIMEOUT": 4}
+        ):
+            defer(record, 0, records, "through the relay")
+            assert publisher(urls, 4.0).node.index == 0
+            relay.silence()
+            started = time.monotonic()
+            defer(record, 0, records, "after the silence")
+            took = time.monotonic() - started
+            assert publisher(urls, 4.0).node.index == 1
+    assert 1.8 <= took < 4, took
+    assert wait_for(lambda: len(read_records(records)) == 2, 10)
+    assert labels(records) == ["after the silence", "through the relay"]
+
+
+def test_a_silent_node_gets_only_its_share_of_the_connect_deadline(
+    clean, broker_url, run_worker, records
+):
+    run_worker()
+    port = pika.URLParameters(broker_url).port
+    with SilentRelay(port) as relay:
+        relay.silence()
+        urls = [relay.url(), broker_url]
+        with override_settings(
+            DEFERRED={**settings.DEFERRED, "BROKER_URL": urls, "PUBLISH_TIMEOUT": 4}
+        ):
+            started = time.monotonic()
+            defer(record, 0, records, "past a silent first node")
+            took = time.monotonic() - started
+    # Two nodes: the silent one gets half of the 4 s, the next one the rest.
+    assert 1.8 <= took < 3.5, took
+    assert wait_for(lambda: len(read_records(records)) == 1, 10)
+
+
+def test_with_declare_off_the_topology_check_keeps_to_the_deadline(clean, broker_url):
+    from deferred.broker import BrokerUnavailable
+
+    port = pika.URLParameters(broker_url).port
+    with SilentRelay(port) as relay:
+        relay.silence()
+        with override_settings(
+            DEFERRED={
+                **settings.DEFERRED,
+                "BROKER_URL": relay.url(),
+                "DECLARE": False,
+                "PUBLISH_TIMEOUT": 1.5,
+            }
+        ):
+            started = time.monotonic()
+            with pytest.raises(BrokerUnavailable, match="Cannot connect") as raised:
+                defer(record, 0, "/dev/null", "never")
+            took = time.monotonic() - started
+    assert took < 3, took
+    assert raised.value.job_id
 
 
 def test_no_node_answers_names_every_node_tried():
