@@ -20,6 +20,7 @@ import statistics
 import subprocess
 import threading
 import time
+import uuid
 from collections import defaultdict
 from io import StringIO
 from pathlib import Path
@@ -31,9 +32,11 @@ from django.test import override_settings
 
 from deferred import broker, defer, defer_many
 from deferred.broker import BrokerUnavailable
+from deferred.conf import get_settings
 from deferred.repair import cli_dead_lettered
+from deferred.topology import plan_topology
 from deferred.worker import Worker
-from tests.cluster import NODES, URLS, node_number, quorum_topology, worker_env
+from tests.cluster import NODES, URLS, cluster_settings, node_number, quorum_topology, worker_env
 from tests.conftest import wait_for
 from tests.testapp.tasks import read_records, timed
 
@@ -427,3 +430,38 @@ def test_stuck_dead_letters_are_reported_and_deferred_repair_releases_them(
         f"{len(reported)} queue(s) ({len(missing_before)} job(s) not run); deferred_status "
         "reported them; deferred_repair released all: 0 lost\n" + out.getvalue().strip(),
     )
+
+
+def test_a_worker_waits_out_the_node_of_its_classic_queues_with_declare_off(local_cluster):
+    # Given classic queues (not replicated), declared through node 3, so they
+    # live there, and a worker that may not declare anything
+    prefix = f"deferred-classic-{uuid.uuid4().hex[:6]}"
+    order = [URLS[2], URLS[0], URLS[1]]
+    classic = cluster_settings(prefix, QUEUE_TYPE="classic", BROKER_URL=order)
+    with override_settings(DEFERRED=classic):
+        call_command("declare_delay_topology", verbosity=0, stderr=StringIO())
+        plan = plan_topology(get_settings())
+    try:
+        local_cluster.kill(3)
+        try:
+            # When their node is down, the queues exist but cannot be reached:
+            # not "topology missing" (which would stop a DECLARE=False worker)
+            survivors = cluster_settings(prefix, QUEUE_TYPE="classic", DECLARE=False)
+            with override_settings(DEFERRED=survivors):
+                with pytest.raises(BrokerUnavailable, match="node holding it is down"):
+                    broker.verify_topology(URLS, plan)
+                worker = Worker(install_signal_handlers=False)
+                thread = threading.Thread(target=worker.run, daemon=True)
+                thread.start()
+                time.sleep(3)
+                assert thread.is_alive() and not worker.consuming.is_set()
+        finally:
+            local_cluster.start(3)
+        # Then the worker consumes once the node is back
+        try:
+            assert worker.consuming.wait(60), "the worker did not consume after the node came back"
+        finally:
+            stop_thread_worker(worker, thread)
+    finally:
+        with broker.admin_channel(URLS) as admin:
+            admin.delete_everything(plan)
