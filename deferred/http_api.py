@@ -33,6 +33,8 @@ logger = logging.getLogger("deferred.http_api")
 
 #: The management API is optional: a status never waits long for it.
 MANAGEMENT_TIMEOUT_S = 1.0
+#: How long a change (a replica removed or added) may take to answer: it waits for Raft.
+CHANGE_TIMEOUT_S = 30.0
 NOT_FOUND = 404
 METHOD_NOT_ALLOWED = 405
 
@@ -167,10 +169,12 @@ class ManagementAPI:
         broker_urls: Urls,
         *,
         timeout: float = MANAGEMENT_TIMEOUT_S,
+        change_timeout: float = CHANGE_TIMEOUT_S,
     ) -> None:
         self.api_urls = tuple(api_urls)
         self.broker_urls = as_urls(broker_urls)
         self.timeout = timeout
+        self.change_timeout = change_timeout
         self.vhost = vhost_of(self.broker_urls)
         #: The base URL that answered last (tried first next time).
         self.answered: str | None = None
@@ -195,12 +199,17 @@ class ManagementAPI:
         base = urllib.parse.urlunsplit((api.scheme, netloc, api.path.rstrip("/"), "", ""))
         return base, base64.b64encode(f"{user}:{password}".encode()).decode()
 
-    def request(self, method: str, path: str, body: Any = None) -> Any:
+    def request(self, method: str, path: str, body: Any = None, *, change: bool = False) -> Any:
         """Send one request to the first base URL that answers; the decoded JSON, or ``None``.
 
         ``ManagementError`` when no base URL answers or the API refuses
         (after trying the others: a node that is down refuses too). A 404 is
         final, not a reason to ask another node: it raises ``LookupError``.
+
+        A ``change`` (removing a replica, adding one) gets a longer timeout
+        and is never sent again to another node once one may have received
+        it: a change that timed out may still be under way, and repeating
+        it could remove a second replica.
         """
         if not self.api_urls:
             raise ManagementError("DEFERRED['MANAGEMENT_URL'] is False: the API is not asked.")
@@ -219,8 +228,9 @@ class ManagementAPI:
                     "Content-Type": "application/json",
                 },
             )
+            timeout = max(self.timeout, self.change_timeout) if change else self.timeout
             try:
-                with _NO_REDIRECTS.open(request, timeout=self.timeout) as response:
+                with _NO_REDIRECTS.open(request, timeout=timeout) as response:
                     raw = response.read()
             except urllib.error.HTTPError as exc:
                 if exc.code in (NOT_FOUND, METHOD_NOT_ALLOWED):
@@ -230,6 +240,12 @@ class ManagementAPI:
                 continue
             except (OSError, ValueError, http.client.HTTPException) as exc:
                 # HTTPException: a node dying in the middle of its answer.
+                refused = isinstance(getattr(exc, "reason", exc), ConnectionRefusedError)
+                if change and not refused:
+                    raise ManagementError(
+                        f"{method} {path} through {base}: no answer ({exc!r}); it may or may "
+                        "not have been done, so it is not sent to another node"
+                    ) from exc
                 problems.append(f"{base}: {exc!r}")
                 continue
             self.answered = api_url
@@ -282,6 +298,7 @@ class ManagementAPI:
             "DELETE",
             f"queues/quorum/{self._quoted_vhost()}/{_quote(queue)}/replicas/delete",
             {"node": node},
+            change=True,
         )
 
     def add_member(self, queue: str, node: str) -> None:
@@ -290,6 +307,7 @@ class ManagementAPI:
             "POST",
             f"queues/quorum/{self._quoted_vhost()}/{_quote(queue)}/replicas/add",
             {"node": node},
+            change=True,
         )
 
     def unacked(self, prefix: str, queues: Sequence[str]) -> dict[str, int] | None:

@@ -21,6 +21,7 @@ Three ways to do it, in order:
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shlex
@@ -28,7 +29,7 @@ import shutil
 import subprocess
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from deferred.http_api import SAMPLE_EVERY_S, ManagementAPI, ManagementError, QueueInfo
@@ -38,6 +39,13 @@ logger = logging.getLogger("deferred.repair")
 
 #: How long one ``rabbitmq-queues`` call may take.
 CLI_TIMEOUT_S = 60.0
+#: How long reading one replica's view of a queue may take.
+STATUS_TIMEOUT_S = 10.0
+#: Adding the replica back is tried this many times, this far apart, before
+#: the operator is given the command: until it is back the queue has one
+#: replica fewer.
+ADD_ATTEMPTS = 3
+ADD_PAUSE_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -100,60 +108,148 @@ def refusal(stuck: StuckQueue) -> str | None:
     return None
 
 
+def cli_quorum_status(stuck: StuckQueue, vhost: str) -> StuckQueue | None:
+    """``stuck`` with its leader and replicas as they are now, read by ``rabbitmq-queues
+    quorum_status`` from the replicas themselves; ``None`` when that cannot be read here.
+
+    The management API's figures lag a leader change by up to a minute: the
+    repair must not act on a leader or a replica set that changed since.
+    """
+    cli = cli_path()
+    asked = [n for n in (*stuck.online, *stuck.members) if n != stuck.leader] + [
+        n for n in (stuck.leader,) if n
+    ]
+    if cli is None or not asked:
+        return None
+    # Two replicas at most, briefly each: a node whose host does not answer
+    # holds the CLI for nearly a minute.
+    for node in list(dict.fromkeys(asked))[:2]:
+        argv = [cli, "-q", "-n", node, "quorum_status", "-p", vhost, stuck.queue]
+        try:
+            result = subprocess.run(
+                [*argv, "--formatter", "json"],
+                capture_output=True,
+                text=True,
+                timeout=STATUS_TIMEOUT_S,
+                check=False,
+            )
+            rows = json.loads(result.stdout) if result.returncode == 0 else None
+        except (OSError, subprocess.TimeoutExpired, ValueError):
+            rows = None
+        if not isinstance(rows, list):
+            continue
+        try:
+            states = {str(row["Node Name"]): str(row["Raft State"]) for row in rows}
+        except (KeyError, TypeError):
+            continue
+        leaders = [n for n, state in states.items() if state == "leader"]
+        return replace(
+            stuck,
+            leader=leaders[0] if len(leaders) == 1 else None,
+            members=tuple(states),
+            online=tuple(n for n, state in states.items() if state in ("leader", "follower")),
+        )
+    return None
+
+
 def repair(
-    stuck: StuckQueue, api: ManagementAPI, *, use_api: bool = True, use_cli: bool = True
+    stuck: StuckQueue,
+    api: ManagementAPI,
+    *,
+    use_api: bool = True,
+    use_cli: bool = True,
+    sleep: Any = time.sleep,
 ) -> Repair:
-    """Force a leader election of ``stuck``'s queue by the first way that works here."""
+    """Force a leader election of ``stuck``'s queue by the first way that works here.
+
+    The leader and replicas are read again first, from the replicas when the
+    CLI is here: the figures ``stuck`` was found with may be a minute old.
+    """
+    if use_cli:
+        fresh = cli_quorum_status(stuck, api.vhost)
+        if fresh is not None and fresh.leader != stuck.leader and stuck.leader is not None:
+            return Repair(
+                stuck.queue,
+                stuck.leader,
+                "manual",
+                False,
+                commands(fresh, api.vhost),
+                f"the leadership moved to {fresh.leader or 'no node yet'} since the queue was "
+                "read: an election happened, which releases stuck dead-letters; check again",
+            )
+        stuck = fresh or stuck
     manual = commands(stuck, api.vhost)
     why_not = refusal(stuck)
     if why_not:
         return Repair(stuck.queue, stuck.leader, "manual", False, manual, why_not)
     assert stuck.leader is not None
+    leader = stuck.leader
     problems = []
     if use_api and api.enabled:
         try:
-            api.delete_member(stuck.queue, stuck.leader)
+            api.delete_member(stuck.queue, leader)
         except LookupError:
             problems.append("the management API has no quorum replica endpoints (RabbitMQ < 3.13)")
         except ManagementError as exc:
+            if "not sent to another node" in str(exc):
+                # It may have been done: never try a second way on top of it.
+                return Repair(stuck.queue, leader, "api", False, manual, str(exc))
             problems.append(f"the management API refused (administrator tag needed?): {exc}")
         else:
-            try:
-                api.add_member(stuck.queue, stuck.leader)
-            except (LookupError, ManagementError) as exc:
+            problem = _again(lambda: _api_add(api, stuck.queue, leader), sleep)
+            if problem:
                 return Repair(
                     stuck.queue,
-                    stuck.leader,
+                    leader,
                     "api",
                     True,
                     manual,
-                    f"the leader was moved, but adding {stuck.leader}'s replica back failed "
-                    f"({exc}): run `{manual[1]}`",
+                    f"the leader was moved, but adding {leader}'s replica back failed "
+                    f"{ADD_ATTEMPTS} times ({problem}): run `{manual[1]}`",
                 )
-            return Repair(stuck.queue, stuck.leader, "api", True, manual)
+            return Repair(stuck.queue, leader, "api", True, manual)
     cli = cli_path() if use_cli else None
     if cli:
-        steps = commands(stuck, api.vhost, cli)
-        for number, step in enumerate(steps):
-            problem = _run(step)
+        remove, add = commands(stuck, api.vhost, cli)
+        problem = _run(remove)
+        if problem is not None:
+            problems.append(f"`{remove}` failed: {problem}")
+        else:
+            problem = _again(lambda: _run(add), sleep)
             if problem is None:
-                continue
-            if number == 0:
-                problems.append(f"`{step}` failed: {problem}")
-                break
+                return Repair(stuck.queue, leader, "cli", True, manual)
             return Repair(
                 stuck.queue,
-                stuck.leader,
+                leader,
                 "cli",
                 True,
                 manual,
-                f"the leader was moved, but `{step}` failed ({problem}): run it again",
+                f"the leader was moved, but `{add}` failed {ADD_ATTEMPTS} times ({problem}): "
+                "run it again",
             )
-        else:
-            return Repair(stuck.queue, stuck.leader, "cli", True, manual)
     elif use_cli:
         problems.append("rabbitmq-queues is not installed on this host")
-    return Repair(stuck.queue, stuck.leader, "manual", False, manual, "; ".join(problems))
+    return Repair(stuck.queue, leader, "manual", False, manual, "; ".join(problems))
+
+
+def _api_add(api: ManagementAPI, queue: str, node: str) -> str | None:
+    try:
+        api.add_member(queue, node)
+    except (LookupError, ManagementError) as exc:
+        return str(exc)
+    return None
+
+
+def _again(attempt: Any, sleep: Any) -> str | None:
+    """Run ``attempt`` (``None`` on success, else the problem) up to ADD_ATTEMPTS times."""
+    problem = None
+    for number in range(ADD_ATTEMPTS):
+        if number:
+            sleep(ADD_PAUSE_S)
+        problem = attempt()
+        if problem is None:
+            return None
+    return problem
 
 
 def _run(command: str) -> str | None:

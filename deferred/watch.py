@@ -8,6 +8,11 @@ management user with the ``administrator`` tag on RabbitMQ 3.13 and later,
 or the cluster's Erlang cookie for ``rabbitmq-queues`` on this host. Without
 them it keeps logging what an operator should run.
 
+A queue is repaired only when two readings in a row find it stuck: a queue
+under a heavy, steady flow of dead-letters can look stuck in one reading
+(its count never falls to zero between samples although every message moves
+on), and a needless election is itself a leader change.
+
 Several workers may watch the same cluster. After a repair, each waits for
 ``STUCK_AFTER`` and the API's lag before it judges that queue again, and a second election of
 a queue that was already released costs a moment of leadership, nothing else.
@@ -45,6 +50,8 @@ class StuckWatch:
         self.episodes = Episodes()
         #: Queue -> monotonic time before which it is not repaired again.
         self._quiet_until: dict[str, float] = {}
+        #: The queues the previous reading found stuck.
+        self._previous: set[str] = set()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -88,10 +95,13 @@ class StuckWatch:
                 s.leader,
                 " && ".join(repair.commands(s, self.api.vhost)),
             )
+        confirmed = [s for s in stuck if s.queue in self._previous]
+        self._previous = {s.queue for s in stuck}
         if not self.settings.repair_stuck:
             return []
         done = []
-        for s in stuck:
+        for s in confirmed:
+            self._previous.discard(s.queue)
             result = repair.repair(s, self.api)
             self._quiet_until[s.queue] = now + self.settings.stuck_after_s + STATS_LAG_S
             if result.done:

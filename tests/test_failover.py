@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -180,7 +181,7 @@ class _API(BaseHTTPRequestHandler):
         if self.path.startswith("/api/queues/%2F"):
             self._reply(200, self.queues)
         elif self.path == "/api/nodes":
-            self._reply(200, [{"name": "rabbit-a@h", "running": True}])
+            self._reply(200, [{"name": "rabbit-a@localhost", "running": True}])
         else:
             self._reply(404)
 
@@ -220,6 +221,20 @@ def test_repair_through_the_api_moves_the_leader_and_adds_its_replica_back(stand
     ]
 
 
+def test_a_replica_removal_that_timed_out_is_not_sent_to_another_node(stand_in):
+    # A node that takes the request and never answers: the removal may be
+    # under way there, so sending it to the next URL could remove a second replica.
+    with socket.create_server(("127.0.0.1", 0)) as mute:
+        slow = f"http://127.0.0.1:{mute.getsockname()[1]}/"
+        api = ManagementAPI(
+            [slow, stand_in], "amqp://guest:guest@127.0.0.1:5672/%2F", change_timeout=1
+        )
+        done = repair(STUCK, api, use_cli=False)
+    assert not done.done and done.method == "api"
+    assert "not sent to another node" in (done.problem or "")
+    assert _API.asked == []
+
+
 def test_without_replica_endpoints_or_cli_the_repair_gives_the_commands(stand_in):
     _API.replicas = False  # RabbitMQ before 3.13: 405
     api = ManagementAPI([stand_in], "amqp://guest:guest@127.0.0.1:5672/%2F")
@@ -235,9 +250,9 @@ def stuck_row(count: int) -> dict[str, Any]:
     return {
         "name": "deferred-x.delay.r16.1ms.L04.quorum.L00.d01",
         "type": "quorum",
-        "leader": "rabbit-a@h",
-        "members": ["rabbit-a@h", "rabbit-b@h", "rabbit-c@h"],
-        "online": ["rabbit-a@h", "rabbit-b@h", "rabbit-c@h"],
+        "leader": "rabbit-a@localhost",
+        "members": ["rabbit-a@localhost", "rabbit-b@localhost", "rabbit-c@localhost"],
+        "online": ["rabbit-a@localhost", "rabbit-b@localhost", "rabbit-c@localhost"],
         "messages": count,
         "messages_ready": 0,
         "messages_unacknowledged": 0,
@@ -261,6 +276,8 @@ def test_the_worker_watch_logs_each_stuck_queue_once_and_repairs_it(stand_in, ca
     # With REPAIR_STUCK, it forces the election itself, once per queue for a while.
     with override_settings(DEFERRED=base):
         watch = StuckWatch(get_settings(), "deferred-x", ManagementAPI([stand_in], DEAD))
+    # Only once a second reading finds it stuck too.
+    assert watch.check() == [] and _API.asked == []
     (done,) = watch.check()
     assert done.done and done.method == "api" and len(_API.asked) == 2
     assert watch.check() == []
