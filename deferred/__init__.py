@@ -12,6 +12,7 @@ from deferred.broker import BrokerError, BrokerUnavailable, PublishRefused, Topo
 from deferred.context import current_job
 from deferred.publishing import defer, defer_many
 from deferred.retries import Exponential, Retry
+from deferred.schedule import cron, every
 from deferred.tasks import Task, task
 
 from deferred import testing  # isort: skip  # after the names it uses
@@ -24,9 +25,11 @@ __all__ = [
     "Retry",
     "Task",
     "TopologyNotDeclared",
+    "cron",
     "current_job",
     "defer",
     "defer_many",
+    "every",
     "task",
     "testing",
 ]

@@ -19,6 +19,7 @@ import os
 import re
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -169,7 +170,7 @@ class Node:
 
 
 def open_connection(
-    urls: Urls, *, timeout: float | None = None
+    urls: Urls, *, timeout: float | None = None, heartbeat: int | None = None
 ) -> tuple[pika.BlockingConnection, Node]:
     """Connect to the first node that answers, in failover order.
 
@@ -187,6 +188,8 @@ def open_connection(
         if "blocked_connection_timeout" not in url:
             # pika's default is to wait forever: a web request would hang.
             params.blocked_connection_timeout = BLOCKED_TIMEOUT_S
+        if heartbeat is not None and "heartbeat" not in url:
+            params.heartbeat = heartbeat
         if deadline is not None:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -1162,6 +1165,154 @@ class Consumer:
 
 
 #: How long a close may wait for the broker's answer before the socket is dropped.
+# --------------------------------------------------------------------------- leadership
+
+
+class Lease:
+    """Leadership among the workers: a token in a single-active-consumer queue.
+
+    Every worker consumes the queue; RabbitMQ delivers to one consumer only,
+    the active one, and that one keeps the token unacked for as long as its
+    connection lives. When that connection goes (a worker killed, stopped, or
+    cut off and its heartbeat missed), the broker hands the token to the next
+    consumer: leadership moves without any clock or table. Extra tokens are
+    harmless (only the active consumer ever gets one), so each worker puts one
+    in when it finds none ready.
+
+    The same connection carries the leader's reads and writes of the record
+    queue, so a leader that lost its lease can no longer write.
+    """
+
+    def __init__(self, urls: Urls, queue: str, record_queue: str, *, heartbeat_s: int) -> None:
+        self.urls = as_urls(urls)
+        self.queue = queue
+        self.record_queue = record_queue
+        self.heartbeat_s = heartbeat_s
+        self._connection: pika.BlockingConnection | None = None
+        self._channel: BlockingChannel | None = None
+        self._confirm: BlockingChannel | None = None
+        self._held = False
+        self.node: Node | None = None
+
+    @property
+    def held(self) -> bool:
+        return self._held
+
+    def connect(self) -> None:
+        """Join the queue's consumers; ``BrokerUnavailable`` / ``TopologyNotDeclared``."""
+        self.close()
+        connection, node = open_connection(self.urls, heartbeat=self.heartbeat_s)
+        try:
+            channel = connection.channel()
+            try:
+                frame = channel.queue_declare(self.queue, passive=True)
+            except px.ChannelClosedByBroker as exc:
+                if exc.reply_code != NOT_FOUND or _home_node_down(exc):
+                    raise
+                raise TopologyNotDeclared(
+                    f"Queue {self.queue!r} does not exist ({exc.reply_text}). {_NOT_DECLARED_HINT}"
+                ) from exc
+            if frame.method.message_count == 0:
+                channel.basic_publish(
+                    "", self.queue, b"lease", pika.BasicProperties(delivery_mode=PERSISTENT)
+                )
+            channel.basic_qos(prefetch_count=1)
+            channel.basic_consume(self.queue, self._on_token)
+            confirm = connection.channel()
+            confirm.confirm_delivery()
+        except TopologyNotDeclared:
+            _close_quietly(connection)
+            raise
+        except (*_CONNECTION_ERRORS, px.AMQPError) as exc:
+            _close_quietly(connection)
+            node.lost()
+            raise BrokerUnavailable(
+                f"Could not join the scheduler at {node.address}: {exc!r}"
+            ) from exc
+        self._connection, self._channel, self._confirm = connection, channel, confirm
+        self.node = node
+
+    def _on_token(self, _ch: BlockingChannel, _method: Any, _props: Any, _body: bytes) -> None:
+        self._held = True
+
+    def poll(self, seconds: float) -> bool:
+        """Serve the connection for ``seconds``; whether this worker leads now."""
+        try:
+            if self._connection is None:
+                raise BrokerUnavailable("The scheduler's connection is not open.")
+            self._connection.process_data_events(time_limit=seconds)
+        except (*_CONNECTION_ERRORS, px.AMQPError) as exc:
+            self._lost()
+            raise BrokerUnavailable(f"Lost the scheduler's connection: {exc!r}") from exc
+        return self._held
+
+    def read_records(self) -> tuple[list[bytes], Callable[[bool], None]]:
+        """Every message of the record queue, held unacked, and ``done(ack)``, which
+        acks them (``True``) or hands them back, and ends the read.
+
+        A crash before ``done`` hands them back too, so nothing is lost
+        between reading the records and writing their successor.
+        """
+        assert self._connection is not None
+        try:
+            channel = self._connection.channel()
+            bodies, last = [], 0
+            while True:
+                method, _props, body = channel.basic_get(self.record_queue)
+                if method is None:
+                    break
+                bodies.append(body)
+                last = method.delivery_tag
+        except (*_CONNECTION_ERRORS, px.AMQPError) as exc:
+            self._lost()
+            raise BrokerUnavailable(f"Lost the scheduler's connection: {exc!r}") from exc
+
+        def done(ack: bool) -> None:
+            try:
+                if ack and last:
+                    channel.basic_ack(last, multiple=True)
+                channel.close()
+            except (*_CONNECTION_ERRORS, px.AMQPError) as exc:
+                self._lost()
+                raise BrokerUnavailable(f"Lost the scheduler's connection: {exc!r}") from exc
+
+        return bodies, done
+
+    def write_record(self, body: bytes) -> None:
+        """Publish a record to the record queue and wait for its confirm."""
+        assert self._confirm is not None
+        try:
+            self._confirm.basic_publish(
+                "",
+                self.record_queue,
+                body,
+                pika.BasicProperties(delivery_mode=PERSISTENT, content_type="application/json"),
+                mandatory=True,
+            )
+        except (*_CONNECTION_ERRORS, px.AMQPError) as exc:
+            self._lost()
+            raise BrokerUnavailable(f"Lost the scheduler's connection: {exc!r}") from exc
+
+    def _lost(self) -> None:
+        self._held = False
+        if self.node is not None:
+            self.node.lost()
+        self.close()
+
+    def close(self) -> None:
+        """Leave: the token (if held) goes to the next worker at once."""
+        self._held = False
+        connection, self._connection = self._connection, None
+        self._channel = self._confirm = None
+        if connection is not None:
+            _close_quietly(connection)
+
+
+def send_record(urls: Urls, queue: str, body: bytes, timeout: float = PUBLISH_TIMEOUT_S) -> None:
+    """Publish one record (a schedule command) to ``queue`` with a confirm."""
+    publisher(urls, timeout).publish("", queue, body, message_id=uuid.uuid4().hex)
+
+
 CLOSE_TIMEOUT_S = 2.0
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import re
 import urllib.parse
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import lru_cache
@@ -23,6 +24,7 @@ from django.core.signals import setting_changed
 from django.dispatch import receiver
 
 from deferred.retries import Backoff, parse_backoff, validate_max_retries
+from deferred.schedule import Schedule
 from deferred.topology import MAX_TTL_MS, TopologyError, plan_topology
 
 DEFAULTS: dict[str, Any] = {
@@ -68,6 +70,9 @@ DEFAULTS: dict[str, Any] = {
     # Whether the worker repairs stuck queues itself (forcing a leader
     # election through the management API), when its broker user may.
     "REPAIR_STUCK": True,
+    # Recurring jobs for tasks the decorator cannot reach (other apps' tasks),
+    # by task name: {"app.tasks.cleanup": every(hours=1)}. Overrides @task(schedule=...).
+    "SCHEDULES": {},
 }
 
 #: The management plugin's default ports, plain and TLS.
@@ -120,6 +125,8 @@ class DeferredSettings:
     quorum_group_size: int
     stuck_after_s: float
     repair_stuck: bool
+    #: DEFERRED['SCHEDULES'] as (task name, schedule) pairs (hashable, like the rest).
+    schedules: tuple[tuple[str, Schedule], ...] = ()
 
     @property
     def broker_url(self) -> str:
@@ -321,6 +328,8 @@ def _build(raw: Any) -> DeferredSettings:
             f"DEFERRED['REPAIR_STUCK'] must be True or False, got {repair_stuck!r}."
         )
 
+    schedules = _schedules(values["SCHEDULES"])
+
     result = DeferredSettings(
         broker_urls=broker_urls,
         publish_timeout_s=publish_timeout_s,
@@ -339,6 +348,7 @@ def _build(raw: Any) -> DeferredSettings:
         quorum_group_size=group_size,
         stuck_after_s=stuck_after_s,
         repair_stuck=repair_stuck,
+        schedules=schedules,
     )
     # The plan enforces the limits that depend on several values at once
     # (routing-key length); building it here makes them configuration errors.
@@ -347,6 +357,25 @@ def _build(raw: Any) -> DeferredSettings:
     except TopologyError as exc:
         raise ImproperlyConfigured(str(exc)) from exc
     return result
+
+
+def _schedules(value: Any) -> tuple[tuple[str, Schedule], ...]:
+    if not isinstance(value, Mapping):
+        raise ImproperlyConfigured(
+            "DEFERRED['SCHEDULES'] must be a dict of task name -> every(...) or cron(...), "
+            f"got {value!r}."
+        )
+    for name, schedule in value.items():
+        if not isinstance(name, str) or not name:
+            raise ImproperlyConfigured(
+                f"DEFERRED['SCHEDULES']: the keys are task names, got {name!r}."
+            )
+        if not isinstance(schedule, Schedule):
+            raise ImproperlyConfigured(
+                f"DEFERRED['SCHEDULES'][{name!r}] must be every(...) or cron(...), "
+                f"got {schedule!r}."
+            )
+    return tuple(sorted(value.items()))
 
 
 @lru_cache(maxsize=1)

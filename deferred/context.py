@@ -25,6 +25,10 @@ class CurrentJob:
     task: str
     queue: str
     due: datetime
+    #: For a run of a schedule, the occurrence's scheduled instant (aware, UTC):
+    #: the same on every run of that occurrence, a duplicate's included.
+    #: ``None`` for a job deferred by hand.
+    occurrence: datetime | None = None
 
 
 _current: ContextVar[CurrentJob | None] = ContextVar("deferred_current_job", default=None)
@@ -38,7 +42,14 @@ def current_job() -> CurrentJob | None:
 @contextmanager
 def running(job: Job) -> Iterator[CurrentJob]:
     """Make ``job`` the current job for the duration of the block."""
-    info = CurrentJob(id=job.id, attempt=job.attempt, task=job.task, queue=job.queue, due=job.due)
+    info = CurrentJob(
+        id=job.id,
+        attempt=job.attempt,
+        task=job.task,
+        queue=job.queue,
+        due=job.due,
+        occurrence=job.occurrence,
+    )
     token = _current.set(info)
     try:
         yield info

@@ -61,6 +61,9 @@ class Job:
     backend: str | None = None
     #: The workers that ran the earlier attempts (django.tasks counts attempts by them).
     workers: tuple[str, ...] = ()
+    #: For a run of a schedule: the occurrence's scheduled instant (UTC), the same
+    #: on every run of it; ``None`` for a job deferred by hand.
+    occurrence: datetime | None = None
 
     @property
     def first_due(self) -> datetime:
@@ -84,6 +87,8 @@ class Job:
             data["backend"] = self.backend
         if self.workers:
             data["workers"] = list(self.workers)
+        if self.occurrence is not None:
+            data["occurrence"] = self.occurrence.isoformat()
         return data
 
     def encode(self) -> bytes:
@@ -133,6 +138,7 @@ class Job:
                 first_due_at=_moment(data, "first_due") if "first_due" in data else None,
                 backend=_typed(data, "backend", str) if "backend" in data else None,
                 workers=tuple(_typed(data, "workers", list)) if "workers" in data else (),
+                occurrence=_moment(data, "occurrence") if "occurrence" in data else None,
             )
             if not all(isinstance(w, str) for w in job.workers):
                 raise BrokenMessage(f"field 'workers' must be a list of str, got {job.workers!r}")

@@ -24,6 +24,7 @@ from deferred.retries import (
 
 if TYPE_CHECKING:
     from deferred.conf import DeferredSettings
+    from deferred.schedule import Schedule
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -67,6 +68,7 @@ class Task(Generic[P, R]):
         retry_backoff: Backoff | None = None,
         retry_for: tuple[type[BaseException], ...] = (Exception,),
         dont_retry_for: tuple[type[BaseException], ...] = (),
+        schedule: Schedule | None = None,
     ) -> None:
         self.func = func
         self.name = name
@@ -78,6 +80,8 @@ class Task(Generic[P, R]):
         self.retry_backoff = retry_backoff
         self.retry_for = retry_for
         self.dont_retry_for = dont_retry_for
+        #: When the task runs by itself (``@task(schedule=every(...) | cron(...))``).
+        self.schedule = schedule
         self.__wrapped__ = func
         self.__doc__ = func.__doc__
         self.__name__ = getattr(func, "__name__", name)
@@ -165,6 +169,7 @@ def task(
     retry_backoff: Any = None,
     retry_for: Any = (Exception,),
     dont_retry_for: Any = (),
+    schedule: Schedule | None = None,
 ) -> Callable[[Callable[P, R]], Task[P, R]]: ...
 
 
@@ -178,6 +183,7 @@ def task(
     retry_backoff: Any = None,
     retry_for: Any = (Exception,),
     dont_retry_for: Any = (),
+    schedule: Schedule | None = None,
 ) -> Task[P, R] | Callable[[Callable[P, R]], Task[P, R]]:
     """Register a function as a task: ``@task`` or ``@task(name=..., queue=..., ...)``.
 
@@ -188,11 +194,23 @@ def task(
     after the first, waiting ``retry_backoff`` between them (a list of seconds
     whose last value repeats, or ``Exponential(base, factor, cap, jitter)``);
     only for exceptions in ``retry_for`` and not in ``dont_retry_for``.
+
+    ``schedule=every(...)`` or ``cron(...)`` makes it recurring: the workers
+    run it at each occurrence, once (see :mod:`deferred.scheduler`). A
+    scheduled task is called with no arguments; it can still be deferred by
+    hand with arguments it accepts.
     """
     policy_max = None if max_retries is None else validate_max_retries(max_retries)
     policy_backoff = None if retry_backoff is None else parse_backoff(retry_backoff)
     policy_for = validate_exception_types("retry_for", retry_for)
     policy_not_for = validate_exception_types("dont_retry_for", dont_retry_for)
+    if schedule is not None:
+        from deferred.schedule import Schedule, ScheduleError
+
+        if not isinstance(schedule, Schedule):
+            raise ScheduleError(
+                f"@task(schedule=...) takes every(...) or cron(...), not {schedule!r}."
+            )
 
     def decorate(f: Callable[P, R]) -> Task[P, R]:
         if isinstance(f, Task):
@@ -206,6 +224,14 @@ def task(
             from deferred.conf import validate_queue_name
 
             validate_queue_name(queue)
+        if schedule is not None:
+            try:
+                check_call(f, task_name, (), {})
+            except TypeError:
+                raise TypeError(
+                    f"Scheduled task {task_name!r} must be callable with no arguments (each "
+                    "occurrence calls it so); give its parameters defaults."
+                ) from None
         existing = _registry.get(task_name)
         if existing is not None and existing.func is not f:
             raise DuplicateTask(
@@ -220,6 +246,7 @@ def task(
             retry_backoff=policy_backoff,
             retry_for=policy_for,
             dont_retry_for=policy_not_for,
+            schedule=schedule,
         )
         _registry[task_name] = registered
         return registered

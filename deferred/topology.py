@@ -93,10 +93,20 @@ class Plan:
     #: Fanout into the failed queue: the alternate and dead-letter exchange.
     failed_exchange: Exchange
     registry_queue: Queue
+    #: Recurring jobs (deferred.scheduler): the single-active-consumer queue whose
+    #: token makes one worker the scheduler, and the queue of its records.
+    scheduler_queue: Queue
+    schedules_queue: Queue
 
     @property
     def shared_queues(self) -> tuple[Queue, ...]:
-        return (*self.ready_queues.values(), self.failed_queue, self.registry_queue)
+        return (
+            *self.ready_queues.values(),
+            self.failed_queue,
+            self.registry_queue,
+            self.scheduler_queue,
+            self.schedules_queue,
+        )
 
     @property
     def shared_bindings(self) -> tuple[Binding, ...]:
@@ -414,4 +424,9 @@ def build_plan(
         failed_queue=Queue(failed, _kept_queue_arguments(queue_type, group_size)),
         failed_exchange=Exchange(failed, "fanout"),
         registry_queue=Queue(f"{prefix}.topologies", _kept_queue_arguments(queue_type, group_size)),
+        scheduler_queue=Queue(
+            f"{prefix}.scheduler",
+            {**_kept_queue_arguments(queue_type, group_size), "x-single-active-consumer": True},
+        ),
+        schedules_queue=Queue(f"{prefix}.schedules", _kept_queue_arguments(queue_type, group_size)),
     )

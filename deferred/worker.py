@@ -44,6 +44,7 @@ from deferred.jobs import BrokenMessage, Job, utcnow
 from deferred.publishing import note_verified, publish
 from deferred.retries import Decision
 from deferred.runnable import resolve
+from deferred.scheduler import Scheduler, scheduled_tasks
 from deferred.tasks import UnknownTask
 from deferred.topology import plan_topology
 from deferred.watch import StuckWatch
@@ -76,6 +77,7 @@ class Worker:
         settings: DeferredSettings | None = None,
         install_signal_handlers: bool = True,
         poll_interval: float = 0.2,
+        schedules: bool = True,
     ) -> None:
         self.settings = settings or get_settings()
         names = list(queues or self.settings.queues)
@@ -109,6 +111,12 @@ class Worker:
         self._inflight = 0
         self._lock = threading.Lock()
         self._executor: ThreadPoolExecutor | None = None
+        #: Competes to schedule the recurring jobs (if there are any and ``schedules``).
+        self.scheduler = (
+            Scheduler(self.settings, self.worker_id)
+            if schedules and scheduled_tasks(self.settings)
+            else None
+        )
 
     # ------------------------------------------------------------------ control
 
@@ -143,6 +151,8 @@ class Worker:
         watch = self._stuck_watch()
         if watch is not None:
             watch.start()
+        if self.scheduler is not None:
+            self.scheduler.start()
         wait_s = RECONNECT_FIRST_S
         try:
             while not self._stopping.is_set():
@@ -184,6 +194,8 @@ class Worker:
             self.consuming.clear()
             if watch is not None:
                 watch.stop()
+            if self.scheduler is not None:
+                self.scheduler.stop()
             self._executor.shutdown(wait=True)
             self.consumer.close()
             self._restore_signals(previous)
@@ -304,6 +316,14 @@ class Worker:
         try:
             task = resolve(job)
         except UnknownTask as exc:
+            if job.occurrence is not None:
+                # Planned before its task left the code: the schedule is gone too.
+                logger.warning(
+                    "Dropping occurrence %s of schedule %s: no such task any more.",
+                    job.occurrence.isoformat(),
+                    job.task,
+                )
+                return "dropped"
             self._fail(job, delivery, failures.UNKNOWN_TASK, exc)
             self._log(job, lateness_ms, "failed", 0.0, "reason=unknown_task")
             return "failed"

@@ -92,6 +92,16 @@ if os.environ.get("DEFERRED_TEST_STUCK_AFTER"):
     DEFERRED["STUCK_AFTER"] = float(os.environ["DEFERRED_TEST_STUCK_AFTER"])
 if os.environ.get("DEFERRED_TEST_REPAIR_STUCK"):
     DEFERRED["REPAIR_STUCK"] = os.environ["DEFERRED_TEST_REPAIR_STUCK"] == "true"
+# Worker subprocesses of the recurring-job tests schedule tests.tick.
+if os.environ.get("DEFERRED_TEST_EVERY"):
+    from deferred.schedule import every
+
+    DEFERRED["SCHEDULES"] = {
+        "tests.tick": every(
+            seconds=float(os.environ["DEFERRED_TEST_EVERY"]),
+            misfire=os.environ.get("DEFERRED_TEST_MISFIRE", "coalesce"),
+        )
+    }
 
 # The django.tasks backend (Django 6, or Django 5.2 with the django-tasks backport).
 TASKS = {"default": {"BACKEND": "deferred.backends.RabbitMQBackend"}}

@@ -28,6 +28,20 @@ def timed(path: str, label: str) -> None:
     _append(path, label=label, event="ran", job=job.id, due=job.due.timestamp())
 
 
+@task(name="tests.tick")
+def tick() -> None:
+    """Scheduled by the recurring-job tests (DEFERRED_TEST_EVERY); records its occurrence."""
+    job = current_job()
+    assert job is not None and job.occurrence is not None
+    _append(
+        os.environ["DEFERRED_TEST_TICKS"],
+        label="tick",
+        event="ran",
+        job=job.id,
+        occurrence=job.occurrence.timestamp(),
+    )
+
+
 @task(name="tests.sleepy")
 def sleepy(path: str, label: str, seconds: float) -> None:
     _append(path, label=label, event="start")

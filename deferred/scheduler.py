@@ -1,0 +1,341 @@
+"""Recurring jobs: one worker plans each schedule's occurrences into the delay line.
+
+No table and no extra process. Every worker runs a :class:`Scheduler`
+thread, and the one that holds the lease (:class:`deferred.broker.Lease`: a
+token in a single-active-consumer queue) is the scheduler. It defers each
+coming occurrence like any other job, a little ahead of time
+(``LOOKAHEAD``), with an id computed from the task and the instant
+(:func:`deferred.schedule.occurrence_id`), and records how far each schedule
+has been planned in the broker, in the ``PREFIX.schedules`` queue.
+
+Why each occurrence runs once:
+
+- Only the lease holder plans, and RabbitMQ gives the token to one consumer
+  at a time. A lease holder that loses its connection loses the lease, and it
+  writes its records over that same connection, so it cannot go on writing.
+- An occurrence is published (confirmed) before the record that says it was
+  planned. A scheduler killed between the two leaves the occurrence to its
+  successor, which publishes it again: at most one occurrence per schedule
+  and per kill runs twice, with the same id and ``occurrence``.
+- The next scheduler starts from the record, so an occurrence is never lost:
+  those that came due while nobody led follow the schedule's misfire policy
+  (``coalesce`` by default: one run in their place).
+- A changed schedule goes on from the last planned instant with its new
+  rule, so nothing already planned is planned again; a schedule removed from
+  the code is no longer planned (what was planned, at most ``LOOKAHEAD``
+  ahead, still runs if its task still exists).
+
+Commands (``deferred_schedules pause|resume|run``) are records in the same
+queue; the scheduler applies them and folds them into its next record.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+from deferred import broker
+from deferred.conf import DeferredSettings
+from deferred.jobs import Job, utcnow
+from deferred.schedule import MISFIRE_ALL_CAP, Schedule, occurrence_id
+from deferred.tasks import registered_tasks
+from deferred.topology import plan_topology
+
+logger = logging.getLogger("deferred.scheduler")
+
+#: How far ahead occurrences are planned: they then travel the delay line and
+#: run on time, and a scheduler lost for less than this misses nothing.
+LOOKAHEAD = timedelta(seconds=5)
+#: How often the scheduler looks at its schedules.
+TICK_S = 0.25
+#: An occurrence due more than this long ago when it is planned was missed.
+GRACE = timedelta(seconds=1)
+#: The lease connection's heartbeat: how long a silently lost scheduler holds
+#: the lease (RabbitMQ gives it away after two missed heartbeats).
+HEARTBEAT_S = 5
+
+
+def scheduled_tasks(settings: DeferredSettings) -> dict[str, Schedule]:
+    """Every schedule, by task name: ``@task(schedule=...)``, then DEFERRED['SCHEDULES'],
+    which adds schedules to tasks of other apps and overrides the decorator's."""
+    found = {name: t.schedule for name, t in registered_tasks().items() if t.schedule is not None}
+    found.update(dict(settings.schedules))
+    return found
+
+
+@dataclass
+class Entry:
+    """What the records say of one schedule."""
+
+    #: The last occurrence planned (UTC); ``None`` before the first.
+    planned: datetime | None = None
+    key: str = ""
+    paused: bool = False
+    #: The last occurrence that came due (planned, and its time passed).
+    last: datetime | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "planned": None if self.planned is None else self.planned.isoformat(),
+            "key": self.key,
+            "paused": self.paused,
+            "last": None if self.last is None else self.last.isoformat(),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Entry:
+        def moment(value: Any) -> datetime | None:
+            return None if not value else datetime.fromisoformat(str(value))
+
+        return cls(
+            planned=moment(data.get("planned")),
+            key=str(data.get("key", "")),
+            paused=bool(data.get("paused", False)),
+            last=moment(data.get("last")),
+        )
+
+
+@dataclass
+class Records:
+    """The scheduler's record: one entry per schedule, numbered so the newest wins."""
+
+    seq: int = 0
+    entries: dict[str, Entry] = field(default_factory=dict)
+    leader: str | None = None
+    written: datetime | None = None
+
+    def encode(self) -> bytes:
+        return json.dumps(
+            {
+                "type": "state",
+                "seq": self.seq,
+                "leader": self.leader,
+                "written": None if self.written is None else self.written.isoformat(),
+                "schedules": {name: e.to_dict() for name, e in self.entries.items()},
+            }
+        ).encode()
+
+
+@dataclass(frozen=True)
+class Command:
+    """``pause``, ``resume`` or ``run`` (now, once) of one schedule."""
+
+    action: str
+    name: str
+    id: str
+    at: datetime
+
+    def encode(self) -> bytes:
+        return json.dumps(
+            {"type": self.action, "name": self.name, "id": self.id, "at": self.at.isoformat()}
+        ).encode()
+
+
+COMMANDS = ("pause", "resume", "run")
+
+
+def read(bodies: list[bytes]) -> tuple[Records, list[Command]]:
+    """The newest record among ``bodies`` and the commands not yet applied, in order."""
+    newest = Records()
+    commands = []
+    for body in bodies:
+        try:
+            data = json.loads(body)
+            kind = data["type"]
+            if kind == "state":
+                if int(data["seq"]) >= newest.seq:
+                    newest = Records(
+                        seq=int(data["seq"]),
+                        entries={
+                            str(n): Entry.from_dict(e) for n, e in dict(data["schedules"]).items()
+                        },
+                        leader=data.get("leader"),
+                        written=datetime.fromisoformat(data["written"])
+                        if data.get("written")
+                        else None,
+                    )
+            elif kind in COMMANDS:
+                commands.append(
+                    Command(
+                        kind, str(data["name"]), str(data["id"]), datetime.fromisoformat(data["at"])
+                    )
+                )
+        except (ValueError, KeyError, TypeError) as exc:
+            logger.warning("Ignoring an unreadable schedule record (%s): %r", exc, body[:200])
+    return newest, commands
+
+
+@dataclass(frozen=True)
+class Occurrence:
+    """One run of a schedule to defer: its task, its instant, and when it may run."""
+
+    task: str
+    at: datetime
+    #: ``at``, or now for an occurrence run late (a misfire) or on command.
+    due: datetime
+    id: str
+
+
+def plan(
+    records: Records,
+    schedules: Mapping[str, Schedule],
+    commands: list[Command],
+    now: datetime,
+    lookahead: timedelta = LOOKAHEAD,
+) -> tuple[list[Occurrence], Records]:
+    """What to defer now, and the record that follows: pure logic, the scheduler's core.
+
+    ``records`` is left untouched. A schedule seen for the first time starts
+    from ``now`` (nothing before it is owed).
+    """
+    entries = {name: Entry(**vars(e)) for name, e in records.entries.items()}
+    out: list[Occurrence] = []
+    for command in commands:
+        entry = entries.setdefault(command.name, Entry(planned=now))
+        if command.action == "pause":
+            entry.paused = True
+        elif command.action == "resume" and entry.paused:
+            entry.paused = False
+            entry.planned = max(entry.planned or now, now)
+        elif command.action == "run" and command.name in schedules:
+            # Its own id: a run on command is not one of the schedule's occurrences.
+            out.append(Occurrence(command.name, command.at, now, command.id))
+    # A schedule removed from the code is forgotten (added back, it starts afresh).
+    for name in [n for n, e in entries.items() if n not in schedules and not e.paused]:
+        del entries[name]
+    for name, schedule in schedules.items():
+        entry = entries.setdefault(name, Entry(planned=now, key=schedule.key))
+        entry.key = schedule.key
+        planned = entry.planned or now
+        if entry.paused:
+            entry.planned = max(planned, now)
+            continue
+        missed = schedule.between(planned, now - GRACE, MISFIRE_ALL_CAP + 1)
+        if missed:
+            if len(missed) > MISFIRE_ALL_CAP:
+                # More than the cap: the last ones, which also ends on the latest.
+                missed = schedule.between(
+                    _back(schedule, now - GRACE, MISFIRE_ALL_CAP), now - GRACE, MISFIRE_ALL_CAP
+                )
+            kept = {"coalesce": missed[-1:], "skip": [], "all": missed}[schedule.misfire]
+            for at in kept:
+                out.append(Occurrence(name, at, now, occurrence_id(name, at)))
+            planned = missed[-1]
+        for at in schedule.between(planned, now + lookahead, 1000):
+            out.append(Occurrence(name, at, at, occurrence_id(name, at)))
+            planned = at
+        entry.last = _last_due(schedule, entry, planned, now)
+        entry.planned = planned
+    return out, Records(seq=records.seq + 1, entries=entries, leader=records.leader, written=now)
+
+
+def _last_due(
+    schedule: Schedule, entry: Entry, planned: datetime, now: datetime
+) -> datetime | None:
+    """The latest occurrence planned so far whose time has come (for listings)."""
+    end = min(planned, now)
+    start = entry.last or (end - 2 * LOOKAHEAD)
+    if end <= start:
+        return entry.last
+    passed = schedule.between(start, end, 10_000)
+    return passed[-1] if passed else entry.last
+
+
+def _back(schedule: Schedule, end: datetime, count: int) -> datetime:
+    """An instant from which ``count`` occurrences reach ``end`` (or a little more)."""
+    first = schedule.after(end - timedelta(days=1))
+    step = max(schedule.after(first) - first, timedelta(milliseconds=1))
+    return end - step * count
+
+
+def occurrence_job(occurrence: Occurrence, settings: DeferredSettings) -> Job:
+    task = registered_tasks().get(occurrence.task)
+    queue = (task.target_queue if task else None) or settings.queues[0]
+    return Job(
+        id=occurrence.id,
+        task=occurrence.task,
+        args=(),
+        kwargs={},
+        due=occurrence.due,
+        queue=queue,
+        created=utcnow(),
+        occurrence=occurrence.at,
+    )
+
+
+class Scheduler:
+    """The worker's scheduler thread: competes for the lease, and plans while it holds it."""
+
+    def __init__(self, settings: DeferredSettings, worker_name: str) -> None:
+        self.settings = settings
+        self.worker_name = worker_name
+        self.topology = plan_topology(settings)
+        self.lease = broker.Lease(
+            settings.broker_urls,
+            self.topology.scheduler_queue.name,
+            self.topology.schedules_queue.name,
+            heartbeat_s=HEARTBEAT_S,
+        )
+        self.leading = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="deferred-scheduler", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        self.lease.close()
+
+    def _run(self) -> None:
+        wait_s = 0.5
+        while not self._stop.is_set():
+            try:
+                self.lease.connect()
+                wait_s = 0.5
+                while not self._stop.is_set():
+                    if self.lease.poll(TICK_S):
+                        if not self.leading.is_set():
+                            logger.info("This worker now schedules the recurring jobs.")
+                            self.leading.set()
+                        self.tick()
+            except broker.BrokerError as exc:
+                if self.leading.is_set():
+                    logger.warning("This worker no longer schedules: %s", exc)
+                self.leading.clear()
+                self.lease.close()
+                self._stop.wait(wait_s)
+                wait_s = min(wait_s * 2, 10.0)
+            except Exception:  # the scheduler must never take the worker down
+                logger.exception("The scheduler failed; it starts again.")
+                self.leading.clear()
+                self.lease.close()
+                self._stop.wait(wait_s)
+        self.leading.clear()
+
+    def tick(self) -> None:
+        """Read the record, defer what is due, write the next record."""
+        from deferred.publishing import publish
+
+        bodies, done = self.lease.read_records()
+        records, commands = read(bodies)
+        records.leader = self.worker_name
+        occurrences, following = plan(records, scheduled_tasks(self.settings), commands, utcnow())
+        changed = bool(occurrences or commands) or following.entries != records.entries
+        for occurrence in occurrences:
+            job = occurrence_job(occurrence, self.settings)
+            wait_ms = max(0, int((job.due - utcnow()).total_seconds() * 1000))
+            publish(job, wait_ms, settings=self.settings)
+        write = changed or len(bodies) != 1
+        if write:
+            self.lease.write_record(following.encode())
+        # Acked only once their successor is confirmed; else handed back as they were.
+        done(write)
