@@ -140,7 +140,9 @@ def test_defer_checks_the_topology_once_per_process(vhost, monkeypatch):
 
     checks = []
     real = broker.verify_topology
-    monkeypatch.setattr(broker, "verify_topology", lambda *a: checks.append(a) or real(*a))
+    monkeypatch.setattr(
+        broker, "verify_topology", lambda *a, **kw: checks.append(a) or real(*a, **kw)
+    )
     with override_settings(DEFERRED=settings_for(vhost)):
         import_definitions(HOST + vhost)
         for n in range(3):
