@@ -1165,6 +1165,18 @@ class Consumer:
 
 
 #: How long a close may wait for the broker's answer before the socket is dropped.
+def peek(urls: Urls, queue: str, *, timeout: float | None = None) -> list[bytes]:
+    """Every message of ``queue``, handed back at once: a read that changes nothing.
+
+    ``TopologyNotDeclared`` if the queue does not exist.
+    """
+    with admin_channel(urls, timeout=timeout) as admin:
+        if not admin.queue_exists(queue):
+            raise TopologyNotDeclared(f"Queue {queue!r} does not exist. {_NOT_DECLARED_HINT}")
+        with admin.take_all(queue) as (_channel, taken):
+            return [message.body for message in taken]
+
+
 # --------------------------------------------------------------------------- leadership
 
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -282,8 +283,12 @@ class Scheduler:
             heartbeat_s=HEARTBEAT_S,
         )
         self.leading = threading.Event()
+        #: The record this worker last wrote while leading: the authority while it
+        #: holds the lease (a command peeking at the queue may hold the stored one).
+        self._records: Records | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._reported: set[str] = set()
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="deferred-scheduler", daemon=True)
@@ -310,16 +315,32 @@ class Scheduler:
             except broker.BrokerError as exc:
                 if self.leading.is_set():
                     logger.warning("This worker no longer schedules: %s", exc)
+                elif isinstance(exc, broker.TopologyNotDeclared):
+                    logger.error("Recurring jobs cannot be scheduled: %s", exc)
                 self.leading.clear()
+                self._records = None
                 self.lease.close()
                 self._stop.wait(wait_s)
                 wait_s = min(wait_s * 2, 10.0)
             except Exception:  # the scheduler must never take the worker down
                 logger.exception("The scheduler failed; it starts again.")
                 self.leading.clear()
+                self._records = None
                 self.lease.close()
                 self._stop.wait(wait_s)
         self.leading.clear()
+
+    def _schedules(self) -> dict[str, Schedule]:
+        """The schedules whose task this process knows (an unknown one is logged once)."""
+        known = registered_tasks()
+        schedules = scheduled_tasks(self.settings)
+        for name in sorted(set(schedules) - set(known) - self._reported):
+            logger.error(
+                "DEFERRED['SCHEDULES'] names task %r, which is not registered: not scheduled.",
+                name,
+            )
+            self._reported.add(name)
+        return {name: s for name, s in schedules.items() if name in known}
 
     def tick(self) -> None:
         """Read the record, defer what is due, write the next record."""
@@ -327,8 +348,10 @@ class Scheduler:
 
         bodies, done = self.lease.read_records()
         records, commands = read(bodies)
+        if self._records is not None and self._records.seq > records.seq:
+            records = self._records
         records.leader = self.worker_name
-        occurrences, following = plan(records, scheduled_tasks(self.settings), commands, utcnow())
+        occurrences, following = plan(records, self._schedules(), commands, utcnow())
         changed = bool(occurrences or commands) or following.entries != records.entries
         for occurrence in occurrences:
             job = occurrence_job(occurrence, self.settings)
@@ -337,5 +360,115 @@ class Scheduler:
         write = changed or len(bodies) != 1
         if write:
             self.lease.write_record(following.encode())
+            self._records = following
         # Acked only once their successor is confirmed; else handed back as they were.
         done(write)
+
+
+# --------------------------------------------------------------------------- operating
+
+
+@dataclass(frozen=True)
+class ScheduleInfo:
+    """One schedule as ``deferred_schedules`` and the status page show it."""
+
+    name: str
+    rule: str
+    misfire: str
+    paused: bool
+    #: The next occurrence (``None`` while paused).
+    next_run: datetime | None
+    #: The latest occurrence whose time came, as the scheduler recorded it.
+    last_run: datetime | None
+    #: How far the scheduler has deferred occurrences already.
+    planned_until: datetime | None
+    #: Commands sent and not yet applied by a scheduling worker.
+    waiting: tuple[str, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        def moment(value: datetime | None) -> str | None:
+            return None if value is None else value.isoformat()
+
+        return {
+            "name": self.name,
+            "rule": self.rule,
+            "misfire": self.misfire,
+            "paused": self.paused,
+            "next_run": moment(self.next_run),
+            "last_run": moment(self.last_run),
+            "planned_until": moment(self.planned_until),
+            "waiting_commands": list(self.waiting),
+        }
+
+
+@dataclass(frozen=True)
+class Overview:
+    schedules: list[ScheduleInfo]
+    #: The worker that wrote the latest record (the one scheduling, unless it stopped since).
+    leader: str | None
+    written: datetime | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "leader": self.leader,
+            "record_written": None if self.written is None else self.written.isoformat(),
+            "schedules": [s.to_dict() for s in self.schedules],
+        }
+
+
+def overview(settings: DeferredSettings, now: datetime | None = None) -> Overview:
+    """Every schedule of this code base, with what the broker's record says of it."""
+    topology = plan_topology(settings)
+    bodies = broker.peek(
+        settings.broker_urls, topology.schedules_queue.name, timeout=settings.publish_timeout_s
+    )
+    return overview_of(bodies, settings, now or utcnow())
+
+
+def overview_of(bodies: list[bytes], settings: DeferredSettings, now: datetime) -> Overview:
+    """:func:`overview` from the record queue's messages, already read."""
+    records, commands = read(bodies)
+    found = []
+    for name, schedule in sorted(scheduled_tasks(settings).items()):
+        entry = records.entries.get(name, Entry())
+        waiting = tuple(c.action for c in commands if c.name == name)
+        paused = entry.paused
+        for action in waiting:
+            paused = {"pause": True, "resume": False}.get(action, paused)
+        found.append(
+            ScheduleInfo(
+                name=name,
+                rule=schedule.describe(),
+                misfire=schedule.misfire,
+                paused=paused,
+                next_run=None if paused else schedule.after(now),
+                last_run=entry.last,
+                planned_until=entry.planned,
+                waiting=waiting,
+            )
+        )
+    return Overview(found, records.leader, records.written)
+
+
+def send_command(settings: DeferredSettings, action: str, name: str) -> Command:
+    """Ask the scheduling worker to ``pause``, ``resume`` or ``run`` (now, once) ``name``.
+
+    The command is a durable record in the broker: a worker applies it when
+    it next schedules, so it survives restarts of everything. ``LookupError``
+    for a name that is not a schedule of this code base.
+    """
+    if action not in COMMANDS:
+        raise ValueError(f"Unknown schedule command {action!r}: one of {', '.join(COMMANDS)}.")
+    known = scheduled_tasks(settings)
+    if name not in known:
+        shown = ", ".join(sorted(known)) or "none"
+        raise LookupError(f"No schedule named {name!r} (schedules: {shown}).")
+    command = Command(action, name, uuid.uuid4().hex, utcnow())
+    topology = plan_topology(settings)
+    broker.send_record(
+        settings.broker_urls,
+        topology.schedules_queue.name,
+        command.encode(),
+        settings.publish_timeout_s,
+    )
+    return command

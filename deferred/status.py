@@ -18,6 +18,7 @@ Everything here but :func:`collect` is pure: the counts come in, a
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -29,6 +30,7 @@ from deferred import broker, cluster
 from deferred.cluster import ClusterView
 from deferred.conf import DeferredSettings
 from deferred.failures import FailedJob, parse_failed
+from deferred.scheduler import Overview, overview_of, scheduled_tasks
 from deferred.topology import Plan, Queue, plan_topology, recorded_plan
 
 #: The chart's buckets: (label, the longest wait that falls in it, in ms).
@@ -178,6 +180,8 @@ class Snapshot:
     unacked_source: str | None
     #: The nodes, the node read from, leaders and stuck queues; ``None`` when not read.
     cluster: ClusterView | None = None
+    #: The recurring jobs; ``None`` when there are none (or their queue is missing).
+    schedules: Overview | None = None
 
     @property
     def pending(self) -> int:
@@ -214,6 +218,7 @@ class Snapshot:
             "topologies": [t.to_dict() for t in self.topologies],
             "chart": [b.to_dict() for b in self.chart],
             "cluster": None if self.cluster is None else self.cluster.to_dict(),
+            "schedules": None if self.schedules is None else self.schedules.to_dict(),
         }
 
 
@@ -352,6 +357,11 @@ def collect(settings: DeferredSettings) -> Status:
         if failed is not None and failed.messages <= FAILED_READ_LIMIT:
             with admin.take_all(plan.failed_queue.name) as (_channel, taken):
                 failed_jobs = [parse_failed(t.body, t.headers, t.message_id) for t in taken]
+        schedules = None
+        if scheduled_tasks(settings) and admin.queue_exists(plan.schedules_queue.name):
+            with admin.take_all(plan.schedules_queue.name) as (_channel, taken):
+                bodies = [t.body for t in taken]
+            schedules = overview_of(bodies, settings, datetime.now(UTC))
     view, api_queues = cluster.observe(
         settings,
         prefix=plan.prefix,
@@ -378,7 +388,7 @@ def collect(settings: DeferredSettings) -> Status:
         taken_at=datetime.now(UTC),
         cluster=view,
     )
-    return Status(snapshot, failed_jobs)
+    return Status(dataclasses.replace(snapshot, schedules=schedules), failed_jobs)
 
 
 # --------------------------------------------------------------------------- text
@@ -470,7 +480,22 @@ def render_text(snapshot: Snapshot) -> str:
     if snapshot.cluster is not None:
         quorum = snapshot.topologies[0].queue_type == "quorum"
         lines += ["", *render_cluster(snapshot.cluster, quorum=quorum)]
+    if snapshot.schedules is not None:
+        lines += ["", *render_schedules(snapshot.schedules)]
     return "\n".join(lines)
+
+
+def render_schedules(seen: Overview) -> list[str]:
+    """The recurring jobs part of ``deferred_status``."""
+    lines = [f"recurring jobs (scheduling worker: {seen.leader or 'none yet'}):"]
+    for s in seen.schedules:
+        state = "paused" if s.paused else f"next {_moment(s.next_run)}"
+        lines.append(f"  {s.name}: {s.rule}; {state}; last {_moment(s.last_run)}")
+    return lines
+
+
+def _moment(value: datetime | None) -> str:
+    return "-" if value is None else value.isoformat(timespec="seconds")
 
 
 def render_cluster(view: ClusterView, *, quorum: bool = True) -> list[str]:

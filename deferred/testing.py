@@ -19,6 +19,13 @@ hand the task its arguments after a JSON round trip, as the worker would.
 
 Both ignore the on-commit rule: in a test wrapped in a transaction that is
 never committed, the job is still captured or run.
+
+``fire_schedule(task)`` runs a recurring task's next occurrence now, as the
+worker would (``current_job().occurrence`` set), without waiting for it:
+
+    def test_the_digest_runs(db):
+        occurrence = fire_schedule(morning_digest)
+        assert occurrence.hour == 6   # 07:30 Paris in winter, in UTC
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ import json
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from deferred import publishing
@@ -122,3 +129,25 @@ def eager() -> Iterator[list[Job]]:
 def delay_of(job: Job) -> timedelta:
     """How long after it was deferred ``job`` is due (rounded up to the resolution)."""
     return job.due - job.created
+
+
+def fire_schedule(task: Task[..., Any] | str, after: datetime | None = None) -> datetime:
+    """Run ``task``'s next scheduled occurrence (after ``after``, default now) inline.
+
+    Returns the occurrence (aware, UTC). The job is the one the scheduler
+    would defer for it: same id, same ``current_job().occurrence``.
+    ``LookupError`` if the task has no schedule.
+    """
+    from deferred.conf import get_settings
+    from deferred.jobs import utcnow
+    from deferred.schedule import occurrence_id
+    from deferred.scheduler import Occurrence, occurrence_job, scheduled_tasks
+
+    settings = get_settings()
+    name = task if isinstance(task, str) else task.name
+    schedules = scheduled_tasks(settings)
+    if name not in schedules:
+        raise LookupError(f"Task {name!r} has no schedule (@task(schedule=...) or SCHEDULES).")
+    at = schedules[name].after(after or utcnow())
+    run_job(occurrence_job(Occurrence(name, at, at, occurrence_id(name, at)), settings))
+    return at

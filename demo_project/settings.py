@@ -11,6 +11,8 @@ from pathlib import Path
 
 import environ
 
+from deferred.schedule import every
+
 #: The repository root, where ``manage.py`` lives.
 BASE_DIR = Path(__file__).resolve().parent.parent
 
@@ -84,6 +86,8 @@ DEFERRED = {
     "QUEUES": ["default"],
     # "quorum" for replicated queues on a cluster.
     "QUEUE_TYPE": env.str("DEFERRED_QUEUE_TYPE", default="classic"),
+    # Recurring jobs by task name (the page's "Digest" table).
+    "SCHEDULES": {"reminders.digest": every(minutes=1)},
 }
 if env.str("DEFERRED_MANAGEMENT_URL", default=""):
     DEFERRED["MANAGEMENT_URL"] = env.list("DEFERRED_MANAGEMENT_URL")

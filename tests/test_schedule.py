@@ -144,3 +144,58 @@ def test_a_changed_schedule_has_another_key():
     assert every(minutes=5).key == every(minutes=5).key
     assert every(minutes=5).key != every(minutes=6).key
     assert cron("0 9 * * *", tz="UTC").key != cron("0 9 * * *", tz="Europe/Paris").key
+
+
+def test_a_scheduled_task_takes_no_arguments_and_a_schedule_is_a_schedule():
+    from deferred import task
+    from deferred.tasks import unregister
+
+    with pytest.raises(TypeError, match="callable with no arguments"):
+
+        @task(name="tests.needs_args", schedule=every(minutes=1))
+        def needs(x): ...
+
+    with pytest.raises(ScheduleError, match="every"):
+
+        @task(name="tests.bad_schedule", schedule="*/5 * * * *")
+        def bad(): ...
+
+    @task(name="tests.defaults_ok", schedule=every(minutes=1))
+    def fine(x=1): ...
+
+    assert fine.schedule == every(minutes=1)
+    unregister("tests.defaults_ok")
+
+
+def test_schedules_from_settings_are_checked():
+    from django.core.exceptions import ImproperlyConfigured
+
+    from deferred.conf import get_settings
+
+    for bad, message in (
+        ([("tests.tick", every(minutes=1))], "must be a dict"),
+        ({"tests.tick": "every minute"}, "every"),
+        ({"": every(minutes=1)}, "task names"),
+    ):
+        with override_settings(DEFERRED={"SCHEDULES": bad}):
+            with pytest.raises(ImproperlyConfigured, match=message):
+                get_settings()
+    with override_settings(DEFERRED={"SCHEDULES": {"tests.tick": every(minutes=1)}}):
+        assert get_settings().schedules == (("tests.tick", every(minutes=1)),)
+
+
+def test_fire_schedule_runs_the_next_occurrence_inline(tmp_path, monkeypatch):
+    from deferred.testing import fire_schedule
+    from tests.testapp.tasks import read_records
+
+    ticks = tmp_path / "ticks.jsonl"
+    monkeypatch.setenv("DEFERRED_TEST_TICKS", str(ticks))
+    start = datetime(2026, 1, 1, 12, 0, 0, 500000, tzinfo=UTC)
+    with override_settings(DEFERRED={"SCHEDULES": {"tests.tick": every(seconds=1)}}):
+        at = fire_schedule("tests.tick", after=start)
+        with pytest.raises(LookupError, match="no schedule"):
+            fire_schedule("tests.record")
+    assert at == datetime(2026, 1, 1, 12, 0, 1, tzinfo=UTC)
+    (row,) = read_records(str(ticks))
+    assert row["occurrence"] == at.timestamp()
+    assert row["job"] == occurrence_id("tests.tick", at)

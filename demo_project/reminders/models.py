@@ -32,3 +32,18 @@ class Reminder(models.Model):
         if self.ran_at is None:
             return None
         return (self.ran_at - self.due_at).total_seconds() * 1000
+
+
+class Digest(models.Model):
+    """One run of the recurring ``reminders.digest`` task: how many reminders were sent in
+    the minute before its occurrence. Unique per occurrence, so a repeated run is a no-op."""
+
+    occurrence = models.DateTimeField(unique=True)
+    reminders_sent = models.PositiveIntegerField()
+    ran_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["-occurrence"]
+
+    def __str__(self) -> str:
+        return f"{self.occurrence:%H:%M}: {self.reminders_sent} sent"

@@ -18,11 +18,13 @@ from django.views.decorators.http import require_GET, require_http_methods
 
 from deferred import defer
 from demo_project.reminders.forms import ReminderForm
-from demo_project.reminders.models import Reminder
+from demo_project.reminders.models import Digest, Reminder
 from demo_project.reminders.tasks import send_reminder
 
 #: How many reminders the page lists, newest first.
 LIST_LENGTH = 50
+#: How many runs of the recurring digest the page lists.
+DIGESTS_SHOWN = 5
 #: Seconds between reloads of the page while a reminder is pending.
 REFRESH_SECONDS = 2
 
@@ -65,6 +67,7 @@ def index(request: HttpRequest) -> HttpResponse:
     context = {
         "form": form,
         "reminders": reminders,
+        "digests": list(Digest.objects.all()[:DIGESTS_SHOWN]),
         # Reload only while there is something to watch.
         "refresh_seconds": REFRESH_SECONDS if any(r.ran_at is None for r in reminders) else None,
     }
