@@ -295,10 +295,10 @@ class Scheduler:
         self._thread.start()
 
     def stop(self) -> None:
+        """Leave the lease (the next worker takes it at once) and end the thread."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
-        self.lease.close()
 
     def _run(self) -> None:
         wait_s = 0.5
@@ -328,6 +328,8 @@ class Scheduler:
                 self._records = None
                 self.lease.close()
                 self._stop.wait(wait_s)
+        # pika is not thread-safe: the lease is closed by the thread that uses it.
+        self.lease.close()
         self.leading.clear()
 
     def _schedules(self) -> dict[str, Schedule]:

@@ -8,12 +8,14 @@ file the task appends to.
 from __future__ import annotations
 
 import itertools
+import json
 import signal
 import time
 from collections import Counter
 from pathlib import Path
 
 import pytest
+from django.core.management import CommandError
 
 from tests.conftest import wait_for
 from tests.testapp.tasks import read_records
@@ -107,3 +109,123 @@ def test_killing_the_scheduling_worker_loses_no_occurrence(
     assert len(duplicates) <= 1, duplicates
     assert all(len(ids) == 1 for ids in by_occurrence.values()), "a duplicate with another id"
     assert takeover <= 5.0
+
+
+def stop_all(workers) -> None:
+    for w in workers:
+        w.signal(signal.SIGTERM)
+    for w in workers:
+        assert w.wait(30) == 0, w.output()
+
+
+def test_restarting_every_worker_at_once_neither_doubles_nor_drops_a_chain(
+    own_topology, worker_process, tmp_path
+):
+    ticks = tmp_path / "ticks.jsonl"
+    env = worker_env(own_topology, ticks)
+    first = [worker_process(env=env) for _ in range(2)]
+    time.sleep(5)
+    # When every worker stops together, and new ones start at once
+    stop_all(first)
+    second = [worker_process(env=env) for _ in range(2)]
+    time.sleep(8)
+    stop_all(second)
+    # Then the chain goes on: no occurrence twice, none missing
+    seen = occurrences(ticks)
+    instants = sorted(seen)
+    assert max(seen.values()) == 1, {k: n for k, n in seen.items() if n > 1}
+    assert all(b - a == 1.0 for a, b in itertools.pairwise(instants)), instants
+    assert len(instants) >= 11
+
+
+def test_a_changed_schedule_goes_on_from_what_was_planned(own_topology, worker_process, tmp_path):
+    ticks = tmp_path / "ticks.jsonl"
+    before = worker_process(env=worker_env(own_topology, ticks, every=1.0))
+    time.sleep(4)
+    stop_all([before])
+    changed_at = time.time()
+    after = worker_process(env=worker_env(own_topology, ticks, every=2.0))
+    time.sleep(12)
+    stop_all([after])
+    seen = occurrences(ticks)
+    assert max(seen.values()) == 1, {k: n for k, n in seen.items() if n > 1}
+    instants = sorted(seen)
+    # What the old rule planned (up to 5 s ahead) ran, then the new rule from there on.
+    late = [t for t in instants if t > changed_at + 6]
+    assert len(late) >= 3 and all(t % 2 == 0 for t in late), late
+    assert all(b - a in (1.0, 2.0) for a, b in itertools.pairwise(instants)), instants
+
+
+@pytest.mark.parametrize(("misfire", "expected"), [("coalesce", 1), ("skip", 0)])
+def test_occurrences_missed_while_no_worker_ran_follow_the_misfire_policy(
+    own_topology, worker_process, tmp_path, misfire, expected
+):
+    ticks = tmp_path / "ticks.jsonl"
+    env = worker_env(own_topology, ticks, DEFERRED_TEST_MISFIRE=misfire)
+    first = worker_process(env=env)
+    assert wait_for(lambda: LEADS in first.output(), 10)
+    time.sleep(2)
+    stop_all([first])
+    stopped = time.time()
+    # An outage longer than the period and than what was planned ahead (5 s)
+    time.sleep(10)
+    restarted = time.time()
+    worker = worker_process(env=env)
+    time.sleep(4)
+    stop_all([worker])
+    rows = read_records(str(ticks))
+    seen = occurrences(ticks)
+    assert max(seen.values()) == 1
+    planned_ahead = stopped + 6
+    missed = [t for t in seen if planned_ahead < t < restarted - 1.5]
+    assert len(missed) == expected, (sorted(seen), stopped, restarted)
+    # the coalesced run ran at once, late, as the latest missed occurrence
+    for row in rows:
+        if row["occurrence"] in missed:
+            assert row["at"] - row["occurrence"] >= 1.0
+
+
+def test_deferred_schedules_lists_pauses_resumes_and_runs(own_topology, worker_process, tmp_path):
+    from io import StringIO
+
+    from django.conf import settings
+    from django.core.management import call_command
+    from django.test import override_settings
+
+    from deferred.schedule import every
+
+    ticks = tmp_path / "ticks.jsonl"
+    env = worker_env(own_topology, ticks)
+    worker = worker_process(env=env)
+    here = {**settings.DEFERRED, "PREFIX": own_topology.prefix}
+    here["SCHEDULES"] = {"tests.tick": every(seconds=1)}
+
+    def listing() -> dict:
+        out = StringIO()
+        call_command("deferred_schedules", "--json", stdout=out)
+        return json.loads(out.getvalue())
+
+    with override_settings(DEFERRED=here):
+        assert wait_for(lambda: listing()["leader"] is not None, 10)
+        (row,) = listing()["schedules"]
+        assert row["name"] == "tests.tick" and row["rule"] == "every 1 s"
+        assert row["next_run"] and not row["paused"]
+        # Pause: what was planned (up to 5 s ahead) runs, then nothing
+        call_command("deferred_schedules", "pause", "tests.tick", stdout=StringIO())
+        assert wait_for(lambda: listing()["schedules"][0]["paused"], 5)
+        time.sleep(6.5)
+        count = len(read_records(str(ticks)))
+        # The pause lives in the broker: a restarted worker keeps it
+        stop_all([worker])
+        worker = worker_process(env=env)
+        time.sleep(3)
+        assert len(read_records(str(ticks))) == count
+        assert listing()["schedules"][0]["paused"]
+        # Run once, now, while paused
+        call_command("deferred_schedules", "run", "tests.tick", stdout=StringIO())
+        assert wait_for(lambda: len(read_records(str(ticks))) == count + 1, 5)
+        call_command("deferred_schedules", "resume", "tests.tick", stdout=StringIO())
+        assert wait_for(lambda: len(read_records(str(ticks))) >= count + 3, 6)
+        with pytest.raises(CommandError, match="No schedule named"):
+            call_command("deferred_schedules", "pause", "tests.nothing", stdout=StringIO())
+    stop_all([worker])
