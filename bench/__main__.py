@@ -1,6 +1,7 @@
 """Run the benchmarks and write ``docs/bench/``: results.json, README.md and plots.
 
-python -m bench [--quick] [--only raw,latency,dispatch,sustained,scale,alternatives,operate,cluster]
+python -m bench [--quick] [--only raw,latency,dispatch,sustained,scale,alternatives,operate,
+                                 schedules,cluster]
 
 The cluster scenario runs on the local three-node cluster (scripts/local-cluster.sh),
 which it starts if it does not run (and then stops at the end); --smoke leaves it out.
@@ -27,6 +28,7 @@ SCENARIOS = [
     "scale",
     "alternatives",
     "operate",
+    "schedules",
     "cluster",
 ]
 
@@ -52,6 +54,7 @@ def parameters(quick: bool, smoke: bool = False) -> dict[str, Any]:
             "alt_polls": [0.2],
             "celery": None,
             "operate": (20, 20, 20),
+            "schedules": {"steady_s": 4, "after_s": 3},
             "cluster": None,  # the smoke run needs no cluster
         }
     if quick:
@@ -71,6 +74,7 @@ def parameters(quick: bool, smoke: bool = False) -> dict[str, Any]:
             "alt_delay_s": 2.0,
             "alt_polls": [1.0],
             "operate": (300, 200, 1000),
+            "schedules": {"steady_s": 20, "after_s": 10},
             "celery": {"eta_pending": 5000, "timeout": None, "rates": [100], "seconds": 3},
             "cluster": {
                 "rates": [100, 400],
@@ -113,6 +117,7 @@ def parameters(quick: bool, smoke: bool = False) -> dict[str, Any]:
         "alt_delay_s": 5.0,
         "alt_polls": [1.0, 60.0],
         "operate": (2000, 1000, 1000),
+        "schedules": {"steady_s": 120, "after_s": 30},
         "celery": {
             "eta_pending": 100_000,
             "timeout": (5000, 90.0, 20),
@@ -157,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         raw,
         report,
         scale,
+        schedules,
         sustained,
     )
 
@@ -236,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         },
     )
     step("operate", lambda: operate.run(*p["operate"]))
+    step("schedules", lambda: schedules.run(p["schedules"]))
     # Last: it starts three more brokers on this machine (and stops them if it started them).
     if p["cluster"] is None:
         if "cluster" in chosen:

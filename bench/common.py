@@ -201,12 +201,20 @@ def topology(config: Config) -> Iterator[tuple[str, Plan]]:
 class Worker:
     """``manage.py run_deferred_worker`` in a subprocess, with the bench settings."""
 
-    def __init__(self, config: Config, prefix: str, concurrency: int, log_level: str = "INFO"):
+    def __init__(
+        self,
+        config: Config,
+        prefix: str,
+        concurrency: int,
+        log_level: str = "INFO",
+        extra_env: dict[str, str] | None = None,
+    ):
         self.seen_path = Path(tempfile.mkstemp(prefix="bench-seen-")[1])
         self.log_path = Path(tempfile.mkstemp(prefix="bench-worker-")[1])
         env = {
             **os.environ,
             **config.env(prefix),
+            **(extra_env or {}),
             "DJANGO_SETTINGS_MODULE": "bench.settings",
             "PYTHONPATH": str(ROOT),
             "BENCH_SEEN": str(self.seen_path),
@@ -246,6 +254,9 @@ class Worker:
 
     def rss_mb(self) -> float:
         return rss_mb(self.proc.pid)
+
+    def log(self) -> str:
+        return self.log_path.read_text() if self.log_path.exists() else ""
 
 
 def wait_until(predicate: Any, timeout: float, interval: float = 0.1) -> bool:

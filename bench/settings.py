@@ -20,7 +20,7 @@ DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 _CLUSTER_URLS = os.environ.get("BENCH_BROKER_URLS")  # a cluster's nodes, comma-separated
 
-DEFERRED = {
+DEFERRED: dict[str, object] = {
     "BROKER_URL": _CLUSTER_URLS.split(",")
     if _CLUSTER_URLS
     else os.environ.get("DEFERRED_BROKER_URL", "amqp://guest:guest@127.0.0.1:5672/%2F"),
@@ -37,6 +37,12 @@ if os.environ.get("BENCH_STUCK_AFTER_S"):
     DEFERRED["STUCK_AFTER"] = float(os.environ["BENCH_STUCK_AFTER_S"])
 if os.environ.get("BENCH_REPAIR_STUCK"):
     DEFERRED["REPAIR_STUCK"] = os.environ["BENCH_REPAIR_STUCK"] == "1"
+
+# The schedules scenario: bench.tick every BENCH_EVERY_S seconds.
+if os.environ.get("BENCH_EVERY_S"):
+    from deferred.schedule import every
+
+    DEFERRED["SCHEDULES"] = {"bench.tick": every(seconds=float(os.environ["BENCH_EVERY_S"]))}
 
 # The django.tasks backend, for the operate scenario.
 TASKS = {"default": {"BACKEND": "deferred.backends.RabbitMQBackend"}}

@@ -23,6 +23,16 @@ def noop(n: int = 0) -> None:
     _seen.append((job.id, now, (now - job.due.timestamp()) * 1000))
 
 
+@task(name="bench.tick")
+def tick() -> None:
+    """The schedules scenario's recurring task: one line per run, written at once (the
+    scheduling worker may be SIGKILLed)."""
+    job = current_job()
+    assert job is not None and job.occurrence is not None
+    with open(os.environ["BENCH_TICKS"], "a") as f:
+        f.write(f"{job.id} {job.occurrence.timestamp():.3f} {time.time():.6f} {os.getpid()}\n")
+
+
 def _write() -> None:
     path = os.environ.get("BENCH_SEEN")
     if path and _seen:
