@@ -414,7 +414,8 @@ class Overview:
         return {
             "leader": self.leader,
             "record_written": None if self.written is None else self.written.isoformat(),
-            "schedules": [s.to_dict() for s in self.schedules],
+            # The worker scheduling is the same for all; repeated for readers of one entry.
+            "schedules": [{**s.to_dict(), "leader": self.leader} for s in self.schedules],
         }
 
 

@@ -209,7 +209,11 @@ def test_deferred_schedules_lists_pauses_resumes_and_runs(own_topology, worker_p
         assert wait_for(lambda: listing()["leader"] is not None, 10)
         (row,) = listing()["schedules"]
         assert row["name"] == "tests.tick" and row["rule"] == "every 1 s"
-        assert row["next_run"] and not row["paused"]
+        assert row["next_run"] and not row["paused"] and row["leader"]
+        out = StringIO()
+        call_command("deferred_status", "--json", stdout=out)
+        (shown,) = json.loads(out.getvalue())["schedules"]["schedules"]
+        assert shown["name"] == "tests.tick" and shown["leader"] == row["leader"]
         # Pause: what was planned (up to 5 s ahead) runs, then nothing
         call_command("deferred_schedules", "pause", "tests.tick", stdout=StringIO())
         assert wait_for(lambda: listing()["schedules"][0]["paused"], 5)
