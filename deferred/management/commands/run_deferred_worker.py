@@ -47,6 +47,11 @@ class Command(BaseCommand):
             default=1,
             help="Jobs run at once, in threads (default 1).",
         )
+        parser.add_argument(
+            "--no-schedules",
+            action="store_true",
+            help="Never schedule the recurring jobs (other workers do; default: compete for it).",
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         logger = logging.getLogger("deferred")
@@ -60,7 +65,11 @@ class Command(BaseCommand):
         elif options["verbosity"] != 1:
             logger.setLevel(level)
         try:
-            worker = Worker(queues=options["queues"], concurrency=options["concurrency"])
+            worker = Worker(
+                queues=options["queues"],
+                concurrency=options["concurrency"],
+                schedules=not options["no_schedules"],
+            )
         except (ImproperlyConfigured, ValueError) as exc:
             raise CommandError(str(exc)) from exc
         try:
