@@ -233,3 +233,12 @@ def test_deferred_schedules_lists_pauses_resumes_and_runs(own_topology, worker_p
         with pytest.raises(CommandError, match="No schedule named"):
             call_command("deferred_schedules", "pause", "tests.nothing", stdout=StringIO())
     stop_all([worker])
+
+
+def test_a_worker_started_with_no_schedules_never_schedules(own_topology, worker_process, tmp_path):
+    ticks = tmp_path / "ticks.jsonl"
+    worker = worker_process("--no-schedules", env=worker_env(own_topology, ticks))
+    time.sleep(3)
+    assert LEADS not in worker.output()
+    assert not ticks.exists()
+    stop_all([worker])
