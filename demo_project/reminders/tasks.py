@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from datetime import timedelta
 
-from django.db import transaction
+from django.db import OperationalError, transaction
 from django.utils import timezone
 
 from deferred import current_job, task
@@ -20,7 +20,14 @@ logger = logging.getLogger(__name__)
 
 # An explicit name: it is what the messages carry, so it must survive a move
 # of this function to another module while jobs are still waiting.
-@task(name="reminders.send_reminder")
+# A locked or briefly unavailable database is worth another try; any other
+# error goes to the failed queue at once.
+@task(
+    name="reminders.send_reminder",
+    max_retries=3,
+    retry_backoff=[0.5, 2, 5],
+    retry_for=(OperationalError,),
+)
 def send_reminder(reminder_id: int) -> None:
     """Mark the reminder as sent, once.
 
