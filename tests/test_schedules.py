@@ -245,3 +245,47 @@ def test_a_worker_started_with_no_schedules_never_schedules(own_topology, worker
     assert LEADS not in worker.output()
     assert not ticks.exists()
     stop_all([worker])
+
+
+def test_a_removed_schedule_stops(own_topology, worker_process, tmp_path):
+    ticks = tmp_path / "ticks.jsonl"
+    worker = worker_process(env=worker_env(own_topology, ticks))
+    time.sleep(3)
+    stop_all([worker])
+    removed_at = time.time()
+    # The next deploy no longer has the schedule (the task itself still exists)
+    env = worker_env(own_topology, ticks)
+    del env["DEFERRED_TEST_EVERY"]
+    worker = worker_process(env=env)
+    time.sleep(8)
+    stop_all([worker])
+    # What was planned ahead (5 s) ran; nothing after it
+    assert max(occurrences(ticks)) <= removed_at + 5.5
+
+
+def test_an_occurrence_whose_task_is_gone_is_dropped_not_failed(
+    clean, run_worker, raw_channel, caplog
+):
+    from deferred.jobs import Job, utcnow
+    from deferred.publishing import publish
+    from deferred.schedule import occurrence_id
+
+    # Planned before a deploy removed its task (and so its schedule)
+    at = utcnow()
+    gone = Job(
+        id=occurrence_id("tests.removed_since", at),
+        task="tests.removed_since",
+        args=(),
+        kwargs={},
+        due=at,
+        queue="default",
+        occurrence=at,
+    )
+    publish(gone, 0)
+    with caplog.at_level("WARNING", logger="deferred.worker"):
+        run_worker()
+        assert wait_for(lambda: "Dropping occurrence" in caplog.text, 5)
+    ready = clean.ready_queues["default"].name
+    assert raw_channel.queue_declare(ready, passive=True).method.message_count == 0
+    failed = raw_channel.queue_declare(clean.failed_queue.name, passive=True).method.message_count
+    assert failed == 0

@@ -146,3 +146,17 @@ def test_a_broker_that_is_down_is_said_on_the_page(client: Client, staff) -> Non
         response = client.get("/deferred/")
     assert response.status_code == 503
     assert "The broker cannot be read" in response.content.decode()
+
+
+def test_the_page_shows_the_recurring_jobs(client: Client, staff, topology) -> None:
+    from django.conf import settings
+    from django.test import override_settings
+
+    from deferred.schedule import every
+
+    client.force_login(staff)
+    scheduled = {**settings.DEFERRED, "SCHEDULES": {"tests.tick": every(minutes=5)}}
+    with override_settings(DEFERRED=scheduled):
+        content = client.get("/deferred/").content.decode()
+    assert "Recurring jobs (scheduling worker: none yet)" in content
+    assert "tests.tick" in content and "every 5 min" in content

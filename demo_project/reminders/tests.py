@@ -178,3 +178,28 @@ def test_post_defers_and_worker_runs_the_reminder(client: Client) -> None:
     assert reminder.ran_at is not None, "the worker did not run the reminder within 10 s"
     assert reminder.ran_at >= reminder.due_at
     assert "scheduled" in client.get("/").content.decode()
+
+
+@pytest.mark.django_db
+def test_the_digest_runs_once_per_occurrence_and_shows_on_the_page(client: Client) -> None:
+    from django.conf import settings
+    from django.test import override_settings
+
+    from deferred.schedule import every
+    from deferred.testing import fire_schedule
+    from demo_project.reminders.models import Digest
+
+    now = timezone.now()
+    expected = every(minutes=1).after(now - timedelta(seconds=1))
+    sent_at = expected - timedelta(seconds=10)  # within the minute the digest counts
+    Reminder.objects.create(message="sent", delay_seconds=1, due_at=sent_at, ran_at=sent_at)
+    demo = {**settings.DEFERRED, "SCHEDULES": {"reminders.digest": every(minutes=1)}}
+    with override_settings(DEFERRED=demo):
+        occurrence = fire_schedule("reminders.digest", after=now - timedelta(seconds=1))
+        # A repeated run of the same occurrence writes nothing more.
+        fire_schedule("reminders.digest", after=now - timedelta(seconds=1))
+    (digest,) = Digest.objects.all()
+    assert occurrence == expected and digest.occurrence == occurrence and digest.reminders_sent == 1
+    content = client.get("/").content.decode()
+    assert "Digest, every minute" in content
+    assert occurrence.strftime("%Y-%m-%d %H:%M:%S") in content
