@@ -20,6 +20,8 @@ from selenium.common.exceptions import WebDriverException
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
+from selenium.webdriver.support import expected_conditions
+from selenium.webdriver.support.ui import WebDriverWait
 
 from deferred import defer, failures
 from deferred.conf import get_settings
@@ -59,7 +61,11 @@ def log_in(browser: WebDriver, base: str, username: str, password: str) -> None:
     browser.get(f"{base}/admin/login/?next=/deferred/")
     browser.find_element(By.NAME, "username").send_keys(username)
     browser.find_element(By.NAME, "password").send_keys(password)
-    browser.find_element(By.CSS_SELECTOR, "input[type=submit]").click()
+    submit = browser.find_element(By.CSS_SELECTOR, "input[type=submit]")
+    submit.click()
+    # The click only starts the POST: wait for the next page (a refused login
+    # reloads the form too), or the URL read next may still be the login page.
+    WebDriverWait(browser, 15).until(expected_conditions.staleness_of(submit))
 
 
 def failed_ids() -> list[str]:
