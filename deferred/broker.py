@@ -948,6 +948,21 @@ def _home_node_down(exc: px.ChannelClosedByBroker) -> bool:
     return exc.reply_code == NOT_FOUND and "down or inaccessible" in str(exc.reply_text)
 
 
+def _declared(channel: BlockingChannel, queue: str, node: Node) -> Any:
+    """Passive declare of ``queue`` (its frame): ``TopologyNotDeclared`` if it does not
+    exist, ``BrokerUnavailable`` if it does but its node is down."""
+    try:
+        return channel.queue_declare(queue, passive=True)
+    except px.ChannelClosedByBroker as exc:
+        if exc.reply_code != NOT_FOUND:
+            raise
+        if _home_node_down(exc):
+            raise _unreachable_queue(queue, exc, node) from exc
+        raise TopologyNotDeclared(
+            f"Queue {queue!r} does not exist ({exc.reply_text}). {_NOT_DECLARED_HINT}"
+        ) from exc
+
+
 def _unreachable_queue(name: str, exc: px.ChannelClosedByBroker, node: Node) -> BrokerUnavailable:
     return BrokerUnavailable(
         f"Queue {name!r} exists but the node holding it is down (RabbitMQ at {node.address}: "
@@ -1030,16 +1045,7 @@ class Consumer:
             if self.shared_prefetch:
                 channel.basic_qos(prefetch_count=self.prefetch, global_qos=True)
             for queue in self.queues:
-                try:
-                    channel.queue_declare(queue, passive=True)
-                except px.ChannelClosedByBroker as exc:
-                    if exc.reply_code != NOT_FOUND:
-                        raise
-                    if _home_node_down(exc):
-                        raise _unreachable_queue(queue, exc, node) from exc
-                    raise TopologyNotDeclared(
-                        f"Queue {queue!r} does not exist ({exc.reply_text}). {_NOT_DECLARED_HINT}"
-                    ) from exc
+                _declared(channel, queue, node)
             self.generation += 1
             generation = self.generation
             self._cancelled_by_broker = None
@@ -1216,15 +1222,7 @@ class Lease:
         connection, node = open_connection(self.urls, heartbeat=self.heartbeat_s)
         try:
             channel = connection.channel()
-            try:
-                frame = channel.queue_declare(self.queue, passive=True)
-            except px.ChannelClosedByBroker as exc:
-                if exc.reply_code != NOT_FOUND or _home_node_down(exc):
-                    raise
-                raise TopologyNotDeclared(
-                    f"Queue {self.queue!r} does not exist ({exc.reply_text}). {_NOT_DECLARED_HINT}"
-                ) from exc
-            if frame.method.message_count == 0:
+            if _declared(channel, self.queue, node).method.message_count == 0:
                 channel.basic_publish(
                     "", self.queue, b"lease", pika.BasicProperties(delivery_mode=PERSISTENT)
                 )
@@ -1232,7 +1230,7 @@ class Lease:
             channel.basic_consume(self.queue, self._on_token)
             confirm = connection.channel()
             confirm.confirm_delivery()
-        except TopologyNotDeclared:
+        except (TopologyNotDeclared, BrokerUnavailable):
             _close_quietly(connection)
             raise
         except (*_CONNECTION_ERRORS, px.AMQPError) as exc:
@@ -1247,15 +1245,21 @@ class Lease:
     def _on_token(self, _ch: BlockingChannel, _method: Any, _props: Any, _body: bytes) -> None:
         self._held = True
 
-    def poll(self, seconds: float) -> bool:
-        """Serve the connection for ``seconds``; whether this worker leads now."""
+    @contextmanager
+    def _guard(self) -> Iterator[None]:
+        """A lost connection ends the lease: ``BrokerUnavailable``, and nothing held."""
         try:
-            if self._connection is None:
-                raise BrokerUnavailable("The scheduler's connection is not open.")
-            self._connection.process_data_events(time_limit=seconds)
+            yield
         except (*_CONNECTION_ERRORS, px.AMQPError) as exc:
             self._lost()
             raise BrokerUnavailable(f"Lost the scheduler's connection: {exc!r}") from exc
+
+    def poll(self, seconds: float) -> bool:
+        """Serve the connection for ``seconds``; whether this worker leads now."""
+        if self._connection is None:
+            raise BrokerUnavailable("The scheduler's connection is not open.")
+        with self._guard():
+            self._connection.process_data_events(time_limit=seconds)
         return self._held
 
     def read_records(self) -> tuple[list[bytes], Callable[[bool], None]]:
@@ -1266,7 +1270,7 @@ class Lease:
         between reading the records and writing their successor.
         """
         assert self._connection is not None
-        try:
+        with self._guard():
             channel = self._connection.channel()
             bodies, last = [], 0
             while True:
@@ -1275,25 +1279,19 @@ class Lease:
                     break
                 bodies.append(body)
                 last = method.delivery_tag
-        except (*_CONNECTION_ERRORS, px.AMQPError) as exc:
-            self._lost()
-            raise BrokerUnavailable(f"Lost the scheduler's connection: {exc!r}") from exc
 
         def done(ack: bool) -> None:
-            try:
+            with self._guard():
                 if ack and last:
                     channel.basic_ack(last, multiple=True)
                 channel.close()
-            except (*_CONNECTION_ERRORS, px.AMQPError) as exc:
-                self._lost()
-                raise BrokerUnavailable(f"Lost the scheduler's connection: {exc!r}") from exc
 
         return bodies, done
 
     def write_record(self, body: bytes) -> None:
         """Publish a record to the record queue and wait for its confirm."""
         assert self._confirm is not None
-        try:
+        with self._guard():
             self._confirm.basic_publish(
                 "",
                 self.record_queue,
@@ -1301,9 +1299,6 @@ class Lease:
                 pika.BasicProperties(delivery_mode=PERSISTENT, content_type="application/json"),
                 mandatory=True,
             )
-        except (*_CONNECTION_ERRORS, px.AMQPError) as exc:
-            self._lost()
-            raise BrokerUnavailable(f"Lost the scheduler's connection: {exc!r}") from exc
 
     def _lost(self) -> None:
         self._held = False
