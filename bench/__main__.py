@@ -1,7 +1,7 @@
 """Run the benchmarks and write ``docs/bench/``: results.json, README.md and plots.
 
 python -m bench [--quick] [--only raw,latency,dispatch,sustained,scale,alternatives,operate,
-                                 schedules,cluster]
+                                 schedules,cancels,cluster]
 
 The cluster scenario runs on the local three-node cluster (scripts/local-cluster.sh),
 which it starts if it does not run (and then stops at the end); --smoke leaves it out.
@@ -29,6 +29,7 @@ SCENARIOS = [
     "alternatives",
     "operate",
     "schedules",
+    "cancels",
     "cluster",
 ]
 
@@ -55,6 +56,7 @@ def parameters(quick: bool, smoke: bool = False) -> dict[str, Any]:
             "celery": None,
             "operate": (20, 20, 20),
             "schedules": {"steady_s": 4, "after_s": 3},
+            "cancels": {"calls": 20, "propagation": 10, "race": 5, "n_force": 1000},
             "cluster": None,  # the smoke run needs no cluster
         }
     if quick:
@@ -75,6 +77,7 @@ def parameters(quick: bool, smoke: bool = False) -> dict[str, Any]:
             "alt_polls": [1.0],
             "operate": (300, 200, 1000),
             "schedules": {"steady_s": 20, "after_s": 10},
+            "cancels": {"calls": 300, "propagation": 100, "race": 50, "n_force": 100_000},
             "celery": {"eta_pending": 5000, "timeout": None, "rates": [100], "seconds": 3},
             "cluster": {
                 "rates": [100, 400],
@@ -118,6 +121,7 @@ def parameters(quick: bool, smoke: bool = False) -> dict[str, Any]:
         "alt_polls": [1.0, 60.0],
         "operate": (2000, 1000, 1000),
         "schedules": {"steady_s": 120, "after_s": 30},
+        "cancels": {"calls": 1000, "propagation": 300, "race": 200, "n_force": 100_000},
         "celery": {
             "eta_pending": 100_000,
             "timeout": (5000, 90.0, 20),
@@ -155,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     django.setup()
     from bench import (
         alternatives,
+        cancels,
         cluster,
         dispatch,
         latency,
@@ -243,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     step("operate", lambda: operate.run(*p["operate"]))
     step("schedules", lambda: schedules.run(p["schedules"]))
+    step("cancels", lambda: cancels.run(p["cancels"]))
     # Last: it starts three more brokers on this machine (and stops them if it started them).
     if p["cluster"] is None:
         if "cluster" in chosen:

@@ -55,6 +55,7 @@ def write(results: dict[str, Any], out: Path) -> None:
     lines += _alternatives(results)
     lines += _operate(results)
     lines += _schedules(results)
+    lines += _cancels(results)
     lines += _cluster(results, plots)
     (out / "README.md").write_text("\n".join(lines) + "\n")
 
@@ -394,6 +395,42 @@ def _schedules(r: dict[str, Any]) -> list[str]:
         "Each occurrence is deferred 5 s ahead through the delay queues, so it is as late as "
         "any deferred job; the kill costs no occurrence because the ones already planned are "
         "in the broker.",
+        "",
+    ]
+
+
+def _cancels(r: dict[str, Any]) -> list[str]:
+    c = r.get("cancels")
+    if not c:
+        return []
+    cost, spread = c["cancel_ms"], c["propagation_ms"]
+    read = c.get("worker_read_in_force") or {}
+    return [
+        "## Cancels: the cost of a call, every worker knowing it, memory",
+        "",
+        "`cancel()` of one id at a time, each confirmed by the broker, on an open connection; "
+        "`cancel_many()` of 1,000 ids (one stream message). Propagation: three readers in "
+        "three processes (the worker's `CancelWatch`) follow the stream; per cancel, the time "
+        "from `cancel()` returning to the last of the three having read it (negative: the "
+        "readers had it before the confirm reached the caller). Memory: the RSS of a worker "
+        f"started on {c['n_force']:,} cancels of pending jobs, minus one started on none. "
+        f"({r.get('cancels_seconds', '?')} s for the scenario.)",
+        "",
+        "| measure | result |",
+        "|---|---|",
+        f"| `cancel()`: p50 / p99 / max | {_f(cost['p50'], 2)} / {_f(cost['p99'], 2)} / "
+        f"{_f(cost['max'], 2)} ms |",
+        f"| `cancel_many()` of 1,000 ids | {_f(c['cancel_many_1000_ms'])} ms |",
+        f"| cancel to all 3 readers: p50 / p99 / max | {_f(spread['p50'], 2)} / "
+        f"{_f(spread['p99'], 2)} / {_f(spread['max'], 2)} ms ({c['propagation_missed']} missed) |",
+        f"| jobs cancelled 100, 10 and 2 ms before they were due, run anyway | "
+        f"{c.get('race_ran_anyway', '?')} of {c.get('race_cancelled_in_time', '?')} "
+        f"({c.get('race_late_cancels', '?')} cancels returned after the due time, left out) |",
+        f"| worker RSS, no cancels / {c['n_force']:,} in force | "
+        f"{_f(c['worker_rss_mb_empty'])} / {_f(c['worker_rss_mb_in_force'])} MB |",
+        f"| memory per cancel in force | {_f(c['bytes_per_cancel'], 0)} bytes |",
+        f"| worker start: reading {read.get('in_force', '?'):,} cancels | "
+        f"{_f(read.get('seconds', float('nan')), 1)} s |",
         "",
     ]
 

@@ -1,14 +1,16 @@
 """deferred: run a Django function later, after its own delay, on plain RabbitMQ.
 
-from deferred import task, defer
+from deferred import cancel, defer, task
 
 @task
 def send_reminder(reminder_id): ...
 
-defer(send_reminder, timedelta(hours=24), reminder.pk)
+job_id = defer(send_reminder, timedelta(hours=24), reminder.pk)
+cancel(job_id)  # changed our mind: it will not run
 """
 
 from deferred.broker import BrokerError, BrokerUnavailable, PublishRefused, TopologyNotDeclared
+from deferred.cancels import cancel, cancel_many
 from deferred.context import current_job
 from deferred.publishing import defer, defer_many
 from deferred.retries import Exponential, Retry
@@ -25,6 +27,8 @@ __all__ = [
     "Retry",
     "Task",
     "TopologyNotDeclared",
+    "cancel",
+    "cancel_many",
     "cron",
     "current_job",
     "defer",

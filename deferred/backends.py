@@ -159,12 +159,13 @@ class RabbitMQBackend(BaseTaskBackend):  # type: ignore[misc]
         _check_arguments(task, tuple(args), dict(kwargs))
         now = utcnow()
         wait_ms = self._wait_ms(task.run_after, now, settings)
+        due = now + timedelta(milliseconds=wait_ms)
         job = Job(
-            id=new_job_id(),
+            id=new_job_id(due),
             task=task.module_path,
             args=tuple(args),
             kwargs=dict(kwargs),
-            due=now + timedelta(milliseconds=wait_ms),
+            due=due,
             queue=_target_queue(task.queue_name, settings.queues) or task.queue_name,
             created=now,
             backend=self.alias,

@@ -68,6 +68,10 @@ class TopologyConflict(BrokerError):
     """A queue or exchange exists with other arguments than the plan's."""
 
 
+class StreamGone(BrokerUnavailable):
+    """The broker cancelled a stream's consumer: the stream was deleted (or moved)."""
+
+
 class PublishRefused(BrokerUnavailable):
     """The broker kept refusing a message (negative confirms) until the deadline.
 
@@ -621,8 +625,14 @@ class DeclareReport:
         return bool(self.created)
 
 
-#: Quorum queue arguments that only place replicas and the leader at creation.
-PLACEMENT_ARGUMENTS = ("x-quorum-initial-group-size", "x-queue-leader-locator")
+#: Queue arguments that only place replicas and the leader at creation.
+PLACEMENT_ARGUMENTS = (
+    "x-quorum-initial-group-size",
+    "x-queue-leader-locator",
+    "x-initial-cluster-size",
+)
+#: The cancels stream's retention: changed later with a policy, not a new declare.
+RETENTION_ARGUMENTS = ("x-max-age", "x-stream-max-segment-size-bytes")
 _INEQUIVALENT = re.compile(
     r"inequivalent arg '(?P<name>[^']+)'.*but current is "
     r"(?:none|the value '(?P<value>[^']*)' of type '(?P<type>[^']+)')"
@@ -634,7 +644,7 @@ def _placement_conflict(exc: px.ChannelClosedByBroker) -> tuple[str, Any] | None
     if exc.reply_code != PRECONDITION_FAILED:
         return None
     match = _INEQUIVALENT.search(str(exc.reply_text))
-    if match is None or match["name"] not in PLACEMENT_ARGUMENTS:
+    if match is None or match["name"] not in (*PLACEMENT_ARGUMENTS, *RETENTION_ARGUMENTS):
         return None
     value: Any = match["value"]
     if value is not None and match["type"] in ("signedint", "long", "short", "byte"):
@@ -755,7 +765,7 @@ class Admin:
         """
         arguments = dict(queue.arguments)
         kept: list[str] = []
-        for _ in range(len(PLACEMENT_ARGUMENTS) + 1):
+        for _ in range(len(PLACEMENT_ARGUMENTS) + len(RETENTION_ARGUMENTS) + 1):
             try:
                 self.channel.queue_declare(queue.name, durable=True, arguments=arguments)
             except px.ChannelClosedByBroker as exc:
@@ -770,6 +780,15 @@ class Admin:
                 else:
                     arguments[name] = value
                 continue
+            if kept and any(k.split("=")[0] in RETENTION_ARGUMENTS for k in kept):
+                return (
+                    f"stream {queue.name} exists with other retention ({', '.join(kept)}); "
+                    f"it is used as it is. The settings ask for {queue.arguments.get('x-max-age')} "
+                    "(MAX_DELAY + CANCEL_MARGIN): apply it with a policy (`rabbitmqctl "
+                    f"set_policy --apply-to queues deferred-cancels '^{re.escape(queue.name)}$' "
+                    f'\'{{"max-age":"{queue.arguments.get("x-max-age")}"}}\'`), or cancels '
+                    "may be forgotten before their jobs are due"
+                )
             if kept:
                 return (
                     f"queue {queue.name} exists with other replica placement ({', '.join(kept)}); "
@@ -1121,6 +1140,17 @@ class Consumer:
             where = self._drop(lost=True)
             raise BrokerUnavailable(f"Lost the connection to RabbitMQ{where}: {exc!r}") from exc
 
+    def holds(self, delivery: Delivery) -> bool:
+        """Whether ``delivery``'s connection is still up, so that it is still ours.
+
+        Once it is gone RabbitMQ has put the message back for another
+        consumer: whoever still holds it should not run it too.
+        """
+        connection = self._connection
+        return (
+            connection is not None and connection.is_open and delivery.generation == self.generation
+        )
+
     def settle_threadsafe(self, delivery: Delivery, *, ack: bool, requeue: bool = True) -> bool:
         """Ack (or reject) ``delivery`` from any thread; ``False`` if its connection is gone.
 
@@ -1181,6 +1211,177 @@ def peek(urls: Urls, queue: str, *, timeout: float | None = None) -> list[bytes]
             raise TopologyNotDeclared(f"Queue {queue!r} does not exist. {_NOT_DECLARED_HINT}")
         with admin.take_all(queue) as (_channel, taken):
             return [message.body for message in taken]
+
+
+# --------------------------------------------------------------------------- streams
+
+
+class StreamFollower:
+    """Reads a stream from an offset (the start by default), then follows its tail.
+
+    One connection, driven from one thread. Every message is handed to
+    ``on_message(offset, body)`` in stream order, and acked (a stream keeps
+    it anyway: the ack only gives the consumer credit for more).
+
+    :meth:`sync` catches up with what the consuming channel has been told:
+    when a stream commits, its node tells each following channel before the
+    publisher's confirm leaves; the channel hands the new messages over
+    (within its credit) as it handles the news, and answers our
+    ``basic.qos`` only after that. So once the follower is under way, a
+    message whose publisher was confirmed before :meth:`sync` is read when it
+    returns, on a single node. Two gaps: a consumer that has just subscribed
+    is told of the stream's contents a moment later (read back a message you
+    write to prove a start), and on a cluster a follower reading from a
+    replica learns a commit a moment after the leader confirmed it. A round
+    that used up the credit may have left messages behind and is followed by
+    another one.
+    """
+
+    def __init__(
+        self,
+        urls: Urls,
+        queue: str,
+        on_message: Callable[[int, bytes], None],
+        *,
+        prefetch: int = 1000,
+    ) -> None:
+        self.urls = as_urls(urls)
+        self.queue = queue
+        self.on_message = on_message
+        self.prefetch = prefetch
+        self.node: Node | None = None
+        self._connection: pika.BlockingConnection | None = None
+        self._channel: BlockingChannel | None = None
+        self._unacked = 0
+        self._last_tag = 0
+        self._received = 0
+        self._cancelled_by_broker = False
+
+    def connect(self, offset: int | None = None, *, timeout: float | None = None) -> None:
+        """Start reading at ``offset`` (``None``: the first message kept).
+
+        ``TopologyNotDeclared`` if the stream does not exist, ``BrokerUnavailable``
+        if no node answers (within ``timeout``, if given).
+        """
+        self.close()
+        connection, node = open_connection(self.urls, timeout=timeout)
+        try:
+            channel = connection.channel()
+            _declared(channel, self.queue, node)
+            channel.basic_qos(prefetch_count=self.prefetch)
+            self._cancelled_by_broker = False
+            channel.add_on_cancel_callback(self._on_broker_cancel)
+            channel.basic_consume(
+                self.queue,
+                self._on_delivery,
+                arguments={"x-stream-offset": "first" if offset is None else offset},
+            )
+        except (TopologyNotDeclared, BrokerUnavailable):
+            _close_quietly(connection)
+            raise
+        except (*_CONNECTION_ERRORS, px.AMQPError) as exc:
+            _close_quietly(connection)
+            node.lost()
+            raise BrokerUnavailable(
+                f"Could not read stream {self.queue} at {node.address}: {exc!r}"
+            ) from exc
+        self._connection, self._channel, self.node = connection, channel, node
+        self._unacked = self._last_tag = 0
+
+    def _on_broker_cancel(self, _method: Any) -> None:
+        # The stream was deleted (or its node went away): nothing more will
+        # come on this consumer, and a catch-up would prove nothing.
+        self._cancelled_by_broker = True
+
+    @property
+    def received(self) -> int:
+        """How many messages were handed over since this follower was made."""
+        return self._received
+
+    def _on_delivery(self, _ch: BlockingChannel, method: Any, props: Any, body: bytes) -> None:
+        self._received += 1
+        self._unacked += 1
+        self._last_tag = method.delivery_tag
+        self.on_message(int((props.headers or {}).get("x-stream-offset", -1)), body)
+
+    @contextmanager
+    def _guard(self) -> Iterator[None]:
+        if self._connection is None or self._channel is None:
+            raise BrokerUnavailable(f"Not reading stream {self.queue}.")
+        try:
+            yield
+        except (*_CONNECTION_ERRORS, px.AMQPError) as exc:
+            node = self.node
+            self.close()
+            if node is not None:
+                node.lost()
+            raise BrokerUnavailable(
+                f"Lost the connection reading stream {self.queue}: {exc!r}"
+            ) from exc
+        if self._cancelled_by_broker:
+            self.close()
+            raise StreamGone(f"RabbitMQ cancelled the consumer of stream {self.queue}.")
+
+    def _ack(self) -> None:
+        assert self._channel is not None
+        if self._unacked:
+            self._channel.basic_ack(self._last_tag, multiple=True)
+            self._unacked = 0
+
+    def poll(self, seconds: float) -> None:
+        """Hand over new messages and run queued callbacks for up to ``seconds``."""
+        with self._guard():
+            assert self._connection is not None
+            self._connection.process_data_events(time_limit=seconds)
+            self._ack()
+
+    def sync(self, timeout: float | None = None) -> None:
+        """Return once every message committed before the call has been handed over.
+
+        ``timeout`` bounds the whole read (``BrokerUnavailable`` past it).
+        """
+        with self._guard():
+            assert self._connection is not None and self._channel is not None
+            if timeout is None:
+                self._catch_up()
+            else:
+                with _deadline(self._connection, timeout):
+                    self._catch_up()
+
+    def _catch_up(self) -> None:
+        assert self._connection is not None and self._channel is not None
+        while True:
+            self._ack()
+            before = self._received
+            self._channel.basic_qos(prefetch_count=self.prefetch)
+            self._connection.process_data_events(time_limit=0)
+            if self._received - before < self.prefetch:
+                self._ack()
+                return
+
+    def wake(self) -> None:
+        """From any thread: make a :meth:`poll` in progress return now."""
+        connection = self._connection
+        if connection is None:
+            return
+        try:
+            connection.add_callback_threadsafe(lambda: None)
+        except (*_CONNECTION_ERRORS, px.AMQPError):
+            pass
+
+    def close(self) -> None:
+        """Close the connection, acking first what was delivered: closing a consumer
+        makes pika reject the deliveries it still holds, and a stream refuses a reject."""
+        connection, channel = self._connection, self._channel
+        if connection is not None and channel is not None and connection.is_open:
+            try:
+                connection.process_data_events(time_limit=0)
+                self._ack()
+            except Exception:  # noqa: BLE001 - closing anyway
+                pass
+        self._connection = self._channel = None
+        if connection is not None:
+            _close_quietly(connection)
 
 
 # --------------------------------------------------------------------------- leadership

@@ -25,7 +25,7 @@ from django.dispatch import receiver
 
 from deferred.retries import Backoff, parse_backoff, validate_max_retries
 from deferred.schedule import Schedule
-from deferred.topology import MAX_TTL_MS, TopologyError, plan_topology
+from deferred.topology import CANCEL_MARGIN_MS, MAX_TTL_MS, TopologyError, plan_topology
 
 DEFAULTS: dict[str, Any] = {
     # One URL, or a list of them: one per node of a cluster, tried in order.
@@ -73,6 +73,10 @@ DEFAULTS: dict[str, Any] = {
     # Recurring jobs for tasks the decorator cannot reach (other apps' tasks),
     # by task name: {"app.tasks.cleanup": every(hours=1)}. Overrides @task(schedule=...).
     "SCHEDULES": {},
+    # How long a cancel stays in force after its job was due: a job that
+    # comes due while no worker runs is still cancelled if a worker takes it
+    # within this margin. Workers keep each cancel in memory until then.
+    "CANCEL_MARGIN": timedelta(milliseconds=CANCEL_MARGIN_MS),
 }
 
 #: The management plugin's default ports, plain and TLS.
@@ -127,6 +131,8 @@ class DeferredSettings:
     repair_stuck: bool
     #: DEFERRED['SCHEDULES'] as (task name, schedule) pairs (hashable, like the rest).
     schedules: tuple[tuple[str, Schedule], ...] = ()
+    #: How long a cancel is kept after its job was due (``CANCEL_MARGIN``).
+    cancel_margin_ms: int = CANCEL_MARGIN_MS
 
     @property
     def broker_url(self) -> str:
@@ -329,6 +335,12 @@ def _build(raw: Any) -> DeferredSettings:
         )
 
     schedules = _schedules(values["SCHEDULES"])
+    cancel_margin_ms = _duration_ms("CANCEL_MARGIN", values["CANCEL_MARGIN"])
+    if not 1000 <= cancel_margin_ms <= MAX_TTL_MS:
+        raise ImproperlyConfigured(
+            "DEFERRED['CANCEL_MARGIN'] must be from 1 second to 10 years, got "
+            f"{values['CANCEL_MARGIN']!r}."
+        )
 
     result = DeferredSettings(
         broker_urls=broker_urls,
@@ -349,6 +361,7 @@ def _build(raw: Any) -> DeferredSettings:
         stuck_after_s=stuck_after_s,
         repair_stuck=repair_stuck,
         schedules=schedules,
+        cancel_margin_ms=math.ceil(cancel_margin_ms),
     )
     # The plan enforces the limits that depend on several values at once
     # (routing-key length); building it here makes them configuration errors.

@@ -140,12 +140,13 @@ def _prepare(
     wait_ms = delay_ms(
         delay, now=now, resolution_ms=settings.resolution_ms, max_delay_ms=settings.max_delay_ms
     )
+    due = now + timedelta(milliseconds=wait_ms)
     job = Job(
-        id=new_job_id(),
+        id=new_job_id(due),
         task=resolved.name,
         args=args,
         kwargs=kwargs,
-        due=now + timedelta(milliseconds=wait_ms),
+        due=due,
         queue=queue,
         created=now,
     )

@@ -21,6 +21,8 @@ from datetime import UTC, datetime, timedelta, tzinfo
 from typing import Literal
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
+from deferred.jobs import id_with_due
+
 #: What happens to occurrences missed while nothing could plan them (every
 #: worker down, or the broker): ``"coalesce"`` runs one (the latest) in their
 #: place, ``"skip"`` runs none, ``"all"`` runs each, up to ``MISFIRE_ALL_CAP``.
@@ -211,6 +213,6 @@ def _zone_name(tz: str | tzinfo | None) -> str:
 def occurrence_id(task_name: str, occurrence: datetime) -> str:
     """The job id of ``task_name``'s run at ``occurrence``: the same in every process, so a
     duplicate of an occurrence carries the same id."""
-    stamp = _aware(occurrence, "occurrence").isoformat(timespec="milliseconds")
-    digest = hashlib.sha256(f"{task_name}\0{stamp}".encode()).hexdigest()
-    return f"{digest[:8]}-{digest[8:12]}-5{digest[13:16]}-a{digest[17:20]}-{digest[20:32]}"
+    at = _aware(occurrence, "occurrence")
+    # The id carries the occurrence as its due time, so it can be cancelled like any job.
+    return id_with_due(at, f"{task_name}\0{at.isoformat(timespec='milliseconds')}".encode())

@@ -27,6 +27,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from deferred import broker, cluster
+from deferred.cancels import read_cancels
 from deferred.cluster import ClusterView
 from deferred.conf import DeferredSettings
 from deferred.failures import FailedJob, parse_failed
@@ -182,6 +183,8 @@ class Snapshot:
     cluster: ClusterView | None = None
     #: The recurring jobs; ``None`` when there are none (or their queue is missing).
     schedules: Overview | None = None
+    #: Cancels in force (jobs that will be dropped when due); ``None`` when not read.
+    cancels: int | None = None
 
     @property
     def pending(self) -> int:
@@ -219,6 +222,7 @@ class Snapshot:
             "chart": [b.to_dict() for b in self.chart],
             "cluster": None if self.cluster is None else self.cluster.to_dict(),
             "schedules": None if self.schedules is None else self.schedules.to_dict(),
+            "cancels_in_force": self.cancels,
         }
 
 
@@ -332,6 +336,8 @@ class Status:
     #: The failed entries, oldest first; ``None`` above :data:`FAILED_READ_LIMIT`
     #: or when the failed queue does not exist.
     failed_jobs: list[FailedJob] | None
+    #: The ids of the failed entries that are cancelled (a retry would be dropped).
+    cancelled_failed: frozenset[str] = frozenset()
 
 
 def collect(settings: DeferredSettings) -> Status:
@@ -357,6 +363,7 @@ def collect(settings: DeferredSettings) -> Status:
         if failed is not None and failed.messages <= FAILED_READ_LIMIT:
             with admin.take_all(plan.failed_queue.name) as (_channel, taken):
                 failed_jobs = [parse_failed(t.body, t.headers, t.message_id) for t in taken]
+        has_cancels = admin.queue_exists(plan.cancels_queue.name)
         schedules = None
         if scheduled_tasks(settings) and admin.queue_exists(plan.schedules_queue.name):
             with admin.take_all(plan.schedules_queue.name) as (_channel, taken):
@@ -388,7 +395,16 @@ def collect(settings: DeferredSettings) -> Status:
         taken_at=datetime.now(UTC),
         cluster=view,
     )
-    return Status(dataclasses.replace(snapshot, schedules=schedules), failed_jobs)
+    cancels = read_cancels(settings) if has_cancels else None
+    return Status(
+        dataclasses.replace(
+            snapshot, schedules=schedules, cancels=None if cancels is None else len(cancels)
+        ),
+        failed_jobs,
+        frozenset(
+            entry.id for entry in failed_jobs or () if cancels is not None and entry.id in cancels
+        ),
+    )
 
 
 # --------------------------------------------------------------------------- text
@@ -482,6 +498,8 @@ def render_text(snapshot: Snapshot) -> str:
         lines += ["", *render_cluster(snapshot.cluster, quorum=quorum)]
     if snapshot.schedules is not None:
         lines += ["", *render_schedules(snapshot.schedules)]
+    if snapshot.cancels is not None:
+        lines += ["", f"cancels in force: {snapshot.cancels}"]
     return "\n".join(lines)
 
 

@@ -20,6 +20,12 @@ hand the task its arguments after a JSON round trip, as the worker would.
 Both ignore the on-commit rule: in a test wrapped in a transaction that is
 never committed, the job is still captured or run.
 
+``deferred.cancel()`` works in both without a broker: under ``capture()`` it
+removes the captured job (also while ``jobs.run()`` runs them, so a job can
+cancel another); under ``eager()`` the job ran inside ``defer()`` already, so
+a cancel finds nothing left to stop and is accepted quietly, as the real one
+is for a job that finished.
+
 ``fire_schedule(task)`` runs a recurring task's next occurrence now, as the
 worker would (``current_job().occurrence`` set), without waiting for it:
 
@@ -37,7 +43,7 @@ from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import Any
 
-from deferred import publishing
+from deferred import cancels, publishing
 from deferred.jobs import Job
 from deferred.runnable import resolve
 from deferred.tasks import Task
@@ -58,6 +64,11 @@ class CapturedJobs(list[Job]):
             raise TypeError(f"for_task() takes a task or a task name, not {task!r}.")
         return [job for job in self if job.task == name]
 
+    def cancel(self, ids: list[str]) -> None:
+        """Drop the jobs ``ids`` names (what ``deferred.cancel()`` does in this mode)."""
+        gone = set(ids)
+        self[:] = [job for job in self if job.id not in gone]
+
     def run(self, max_rounds: int = 100) -> None:
         """Run the captured jobs now, earliest due first, until none is left.
 
@@ -65,14 +76,21 @@ class CapturedJobs(list[Job]):
         next round (even after the ``with`` block). A task that always defers
         another job never ends: after ``max_rounds`` this raises.
         """
-        with _intercepting(lambda job, wait_ms: self.append(job)):
+        cancelled: set[str] = set()
+
+        def cancel(ids: list[str]) -> None:
+            cancelled.update(ids)
+            self.cancel(ids)
+
+        with _intercepting(lambda job, wait_ms: self.append(job), cancel):
             for _ in range(max_rounds):
                 if not self:
                     return
                 batch = sorted(self, key=lambda j: j.due)
                 self.clear()
                 for job in batch:
-                    run_job(job)
+                    if job.id not in cancelled:  # cancelled by a job of this round
+                        run_job(job)
         if self:
             raise RuntimeError(
                 f"Still {len(self)} job(s) after {max_rounds} rounds: do the tasks defer "
@@ -87,24 +105,33 @@ def run_job(job: Job) -> Any:
     return resolve(inline).run(inline, "eager", retries=False)
 
 
+def _ignore_cancels(ids: list[str]) -> None:
+    """Eager mode: each job ran inside ``defer()``; a cancel finds nothing to stop."""
+
+
 @contextmanager
-def _intercepting(handler: Callable[[Job, int], None]) -> Iterator[None]:
+def _intercepting(
+    handler: Callable[[Job, int], None],
+    on_cancel: Callable[[list[str]], None] = _ignore_cancels,
+) -> Iterator[None]:
     # A stack, not save-and-restore: blocks that overlap (in two threads)
     # may end in any order and each removes only its own handler.
     with publishing.interceptors_lock:
         publishing.interceptors.append(handler)
+        cancels.interceptors.append(on_cancel)
     try:
         yield
     finally:
         with publishing.interceptors_lock:
             publishing.interceptors.remove(handler)
+            cancels.interceptors.remove(on_cancel)
 
 
 @contextmanager
 def capture() -> Iterator[CapturedJobs]:
     """Record deferred jobs instead of publishing them."""
     jobs = CapturedJobs()
-    with _intercepting(lambda job, wait_ms: jobs.append(job)):
+    with _intercepting(lambda job, wait_ms: jobs.append(job), jobs.cancel):
         yield jobs
 
 
@@ -113,8 +140,10 @@ def eager() -> Iterator[list[Job]]:
     """Run deferred jobs inline, at once, ignoring their delay; yields the jobs run.
 
     An exception raised by a task propagates out of ``defer()``, so a test
-    sees it; retries are not attempted. A task that defers itself recurses:
-    use ``capture()`` and ``run()`` for chains of jobs.
+    sees it; retries are not attempted. ``deferred.cancel()`` of a job that
+    ran is accepted and does nothing, like a cancel of a finished job. A task
+    that defers itself recurses: use ``capture()`` and ``run()`` for chains of
+    jobs.
     """
     ran: list[Job] = []
 

@@ -39,6 +39,10 @@ if TYPE_CHECKING:
 MAX_TTL_MS = 315_360_000_000
 #: AMQP 0-9-1 routing keys are short strings: at most 255 bytes.
 MAX_ROUTING_KEY_BYTES = 255
+#: How long a cancel stays in force after its job was due, by default (DEFERRED['CANCEL_MARGIN']).
+CANCEL_MARGIN_MS = 7 * 24 * 3600 * 1000
+#: The cancels stream's segment size: about 100,000 cancels.
+STREAM_SEGMENT_BYTES = 16_000_000
 
 
 class TopologyError(ValueError):
@@ -97,6 +101,8 @@ class Plan:
     #: token makes one worker the scheduler, and the queue of its records.
     scheduler_queue: Queue
     schedules_queue: Queue
+    #: Cancelled job ids (deferred.cancels): a stream every worker reads from the start.
+    cancels_queue: Queue
 
     @property
     def shared_queues(self) -> tuple[Queue, ...]:
@@ -106,6 +112,7 @@ class Plan:
             self.registry_queue,
             self.scheduler_queue,
             self.schedules_queue,
+            self.cancels_queue,
         )
 
     @property
@@ -271,6 +278,21 @@ def _kept_queue_arguments(queue_type: str, group_size: int) -> dict[str, Any]:
     return args
 
 
+def _stream_arguments(queue_type: str, group_size: int, keep_ms: int) -> dict[str, Any]:
+    # A cancel must outlive its job: a job may wait MAX_DELAY, and the cancel
+    # stays in force CANCEL_MARGIN after that. RabbitMQ drops a stream's
+    # messages by whole segments once all of a segment is older than
+    # x-max-age: small segments keep little more than that.
+    args: dict[str, Any] = {
+        "x-queue-type": "stream",
+        "x-max-age": f"{math.ceil(keep_ms / 1000)}s",
+        "x-stream-max-segment-size-bytes": STREAM_SEGMENT_BYTES,
+    }
+    if queue_type == "quorum":
+        args["x-initial-cluster-size"] = group_size
+    return args
+
+
 def _delay_queue_arguments(
     queue_type: str, group_size: int, ttl_ms: int, dead_letter_exchange: str
 ) -> dict[str, Any]:
@@ -300,6 +322,7 @@ def plan_topology(settings: DeferredSettings) -> Plan:
         queues=settings.queues,
         delivery_limit=settings.delivery_limit,
         group_size=settings.quorum_group_size,
+        cancel_margin_ms=settings.cancel_margin_ms,
     )
 
 
@@ -314,6 +337,7 @@ def build_plan(
     levels: int | None = None,
     delivery_limit: int = 5,
     group_size: int = 3,
+    cancel_margin_ms: int = CANCEL_MARGIN_MS,
 ) -> Plan:
     """Compute a topology from its defining values.
 
@@ -429,4 +453,8 @@ def build_plan(
             {**_kept_queue_arguments(queue_type, group_size), "x-single-active-consumer": True},
         ),
         schedules_queue=Queue(f"{prefix}.schedules", _kept_queue_arguments(queue_type, group_size)),
+        cancels_queue=Queue(
+            f"{prefix}.cancels",
+            _stream_arguments(queue_type, group_size, max_delay_ms + cancel_margin_ms),
+        ),
     )

@@ -16,4 +16,5 @@ urlpatterns = [
     path("", admin.site.admin_view(views.status_page), name="status"),
     path("failed/retry/", admin.site.admin_view(views.retry), name="retry"),
     path("failed/purge/", admin.site.admin_view(views.purge), name="purge"),
+    path("cancel/", admin.site.admin_view(views.cancel), name="cancel"),
 ]

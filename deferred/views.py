@@ -1,9 +1,10 @@
 """The staff-only status page: ``deferred_status`` in a browser, with the failed jobs.
 
 It reads the broker on every request (a passive declare per queue: tens of
-milliseconds) and stores nothing: the app has no models. Retry and purge are
-POST forms with CSRF protection, and a purge asks for confirmation on a page
-of its own, so neither a prefetching browser nor a stray click removes a job.
+milliseconds, plus one read of the cancels stream) and stores nothing: the
+app has no models. Retry, cancel and purge are POST forms with CSRF
+protection, and a purge asks for confirmation on a page of its own, so neither
+a prefetching browser nor a stray click removes a job.
 The page extends the admin's templates and needs ``django.contrib.admin``
 (its login page) and ``django.contrib.messages``.
 """
@@ -18,7 +19,7 @@ from django.http import HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
 from django.views.decorators.http import require_GET, require_POST
 
-from deferred import failures, status
+from deferred import cancels, failures, status
 from deferred.broker import BrokerError
 from deferred.conf import get_settings
 
@@ -67,6 +68,7 @@ def status_page(request: HttpRequest) -> HttpResponse:
         request,
         snapshot=snapshot,
         failed_jobs=result.failed_jobs,
+        cancelled_failed=result.cancelled_failed,
         read_limit=status.FAILED_READ_LIMIT,
         bars=chart_bars(snapshot),
         chart_width=CHART_WIDTH,
@@ -170,4 +172,32 @@ def purge(request: HttpRequest) -> HttpResponse:
         messages.error(request, f"Nothing was purged: {exc}", fail_silently=True)
     else:
         _report(request, outcome, "purged")
+    return redirect("deferred:status")
+
+
+@staff_member_required
+@require_POST
+def cancel(request: HttpRequest) -> HttpResponse:
+    """Cancel jobs by id: the ids of failed jobs (so that no retry of them runs), or typed in."""
+    ids = [job_id for job_id in request.POST.getlist("id") if job_id]
+    ids += request.POST.get("ids", "").replace(",", " ").split()
+    if not ids:
+        messages.error(request, "No job id was given.", fail_silently=True)
+        return redirect("deferred:status")
+    try:
+        cancels.cancel_many(ids)
+    except (TypeError, ValueError) as exc:
+        messages.error(request, f"Nothing was cancelled: {exc}", fail_silently=True)
+    except BrokerError as exc:
+        messages.error(
+            request,
+            f"The cancel may not have been taken: {exc} Cancelling again is harmless.",
+            fail_silently=True,
+        )
+    else:
+        messages.success(
+            request,
+            f"{len(ids)} job(s) cancelled: workers drop them when they come due.",
+            fail_silently=True,
+        )
     return redirect("deferred:status")

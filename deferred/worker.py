@@ -6,6 +6,10 @@ so a long job never starves the heartbeats, and each job hands its ack back
 to the I/O thread. Prefetch equals concurrency: the broker never gives this
 worker more jobs than it can start, and the rest stay available to others.
 
+Cancels: a reader thread follows the cancels stream (deferred.cancels); a
+job found there is acked without running (``outcome=cancelled``), and a job
+cancelled while it ran is not retried.
+
 Shutdown (SIGTERM/SIGINT, or :meth:`stop`): cancel the consumers first so no
 new job arrives, let the running jobs finish while the I/O thread goes on
 acking and heart-beating, then close and return.
@@ -19,6 +23,7 @@ import signal
 import socket
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timedelta
@@ -37,6 +42,7 @@ from deferred.broker import (
     publisher,
     verify_topology,
 )
+from deferred.cancels import CancelWatch
 from deferred.cluster import management_api
 from deferred.conf import DeferredSettings, get_settings
 from deferred.delays import capped_delay_ms
@@ -61,9 +67,18 @@ _OUTCOME_LEVELS = {
     "succeeded": logging.INFO,
     "rescheduled": logging.INFO,
     "retrying": logging.WARNING,
+    "cancelled": logging.INFO,
 }
+#: How long a job waits for the cancels to be read before it goes back to wait,
+CANCELS_TIMEOUT_S = 10.0
+#: and how long it then waits in the delay queues before it is tried again.
+CANCELS_RETRY_S = 5.0
 #: On classic ready queues: how many deliveries of this job ended without an ack.
 DELIVERIES_HEADER = "x-deferred-deliveries"
+
+
+class _Released(Exception):
+    """The connection that delivered a job went while it waited: it is not ours any more."""
 
 
 class Worker:
@@ -111,6 +126,10 @@ class Worker:
         self._inflight = 0
         self._lock = threading.Lock()
         self._executor: ThreadPoolExecutor | None = None
+        #: Knows the cancelled job ids: every job is checked against it before it runs.
+        self.cancels = CancelWatch(self.settings)
+        #: How many messages ended how, by outcome ("succeeded", "cancelled", ...).
+        self.outcomes: Counter[str] = Counter()
         #: Competes to schedule the recurring jobs (if there are any and ``schedules``).
         self.scheduler = (
             Scheduler(self.settings, self.worker_id)
@@ -148,6 +167,7 @@ class Worker:
         """
         previous = self._install_signals()
         self._executor = ThreadPoolExecutor(self.concurrency, thread_name_prefix="deferred-job")
+        self.cancels.start()
         watch = self._stuck_watch()
         if watch is not None:
             watch.start()
@@ -197,6 +217,7 @@ class Worker:
             if self.scheduler is not None:
                 self.scheduler.stop()
             self._executor.shutdown(wait=True)
+            self.cancels.stop()
             self.consumer.close()
             self._restore_signals(previous)
             logger.info("Worker stopped.")
@@ -245,17 +266,19 @@ class Worker:
 
     def _execute(self, delivery: Delivery) -> None:
         """In a pool thread: process one message, then ask the I/O thread to settle it."""
-        if delivery.generation != self.consumer.generation:
+        ack = released = False
+        try:
+            if not self.consumer.holds(delivery):
+                raise _Released
+            outcome = self.process(delivery)
+            with self._lock:
+                self.outcomes[outcome] += 1
+            ack = True
+        except _Released:
             # Its connection is gone, so RabbitMQ has already redelivered it:
             # running it here too would only make a duplicate.
             logger.info("Skipping a job delivered on a lost connection; it was redelivered.")
-            with self._lock:
-                self._inflight -= 1
-            return
-        ack = False
-        try:
-            self.process(delivery)
-            ack = True
+            released = True
         except BrokerError as exc:
             logger.error(
                 "Could not record the outcome of a message from %s (%s); handing it back "
@@ -274,7 +297,9 @@ class Worker:
             )
             self._stopping.wait(REQUEUE_PAUSE_S)
         finally:
-            if not self.consumer.settle_threadsafe(delivery, ack=ack, requeue=True):
+            if not released and not self.consumer.settle_threadsafe(
+                delivery, ack=ack, requeue=True
+            ):
                 logger.warning(
                     "The connection that delivered this job is gone; RabbitMQ "
                     "will redeliver it (it may run again)."
@@ -303,6 +328,23 @@ class Worker:
                 exc,
             )
             return "failed"
+
+        # Read every cancel confirmed before the job came due first: a cancel
+        # issued a moment before must win (clocks agreeing, as for "never early").
+        try:
+            cancelled = self.cancels.is_cancelled(
+                job.id, CANCELS_TIMEOUT_S, due=job.due.timestamp()
+            )
+        except BrokerUnavailable as exc:
+            self._check_held(delivery)
+            # Not run on a guess, and not handed back either (each hand-back
+            # counts towards DELIVERY_LIMIT): it waits in the delay queues.
+            return self._wait_for_cancels(job, exc)
+        # The wait may have been long enough for the delivering node to go.
+        self._check_held(delivery)
+        if cancelled:
+            self._log(job, (utcnow() - job.due).total_seconds() * 1000, "cancelled", 0.0)
+            return "cancelled"
 
         if delivery.redelivered and self.count_redeliveries:
             outcome = self._count_redelivery(delivery, job)
@@ -341,6 +383,16 @@ class Worker:
         if error is None:
             self._log(job, lateness_ms, "succeeded", duration_ms)
             return "succeeded"
+        if self._cancelled_while_running(job):
+            # Cancelled while it ran: it finished, and is neither retried nor kept as failed.
+            self._log(
+                job,
+                lateness_ms,
+                "cancelled",
+                duration_ms,
+                f"error={type(error).__name__}: {failures.describe(error)}",
+            )
+            return "cancelled"
 
         decision = task.retry_policy(self.settings).decide(error, job.attempt)
         if decision.retry:
@@ -358,6 +410,45 @@ class Worker:
             f"reason={decision.reason} error={type(error).__name__}: {failures.describe(error)}",
         )
         return "failed"
+
+    def _check_held(self, delivery: Delivery) -> None:
+        """Raise ``_Released`` if ``delivery``'s connection went while the job waited.
+
+        Waiting for the cancels can take seconds when a node dies; the
+        message is then redelivered elsewhere, and running (or re-publishing)
+        this copy would duplicate it.
+        """
+        if not self.consumer.holds(delivery):
+            raise _Released
+
+    def _cancelled_while_running(self, job: Job) -> bool:
+        """Whether a job whose attempt just failed was cancelled meanwhile.
+
+        If the cancels cannot be read now, what is known decides: the retry,
+        if any, is checked again when it comes due.
+        """
+        try:
+            return self.cancels.is_cancelled(job.id, CANCELS_TIMEOUT_S)
+        except BrokerUnavailable:
+            return job.id in self.cancels.view
+
+    def _wait_for_cancels(self, job: Job, error: BrokerError) -> str:
+        """Send a due job back for a short wait while the cancels cannot be read."""
+        wait_ms = capped_delay_ms(
+            CANCELS_RETRY_S,
+            now=utcnow(),
+            resolution_ms=self.settings.resolution_ms,
+            max_delay_ms=self.settings.max_delay_ms,
+        )
+        publish(job, wait_ms, settings=self.settings)
+        self._log(
+            job,
+            (utcnow() - job.due).total_seconds() * 1000,
+            "rescheduled",
+            0.0,
+            f"wait_for_cancels_ms={wait_ms} error={error}",
+        )
+        return "rescheduled"
 
     def _fail(self, job: Job, delivery: Delivery, reason: str, error: BaseException) -> None:
         record = failures.failure_record(reason=reason, job=job, body=delivery.body, error=error)

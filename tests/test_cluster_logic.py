@@ -74,9 +74,14 @@ def test_quorum_queues_are_replicated_with_balanced_leaders_and_confirmed_hops()
         group_size=3,
     )
     for queue in plan.all_queues:
+        if queue is plan.cancels_queue:
+            continue
         assert queue.arguments["x-queue-type"] == "quorum"
         assert queue.arguments["x-quorum-initial-group-size"] == 3
         assert queue.arguments["x-queue-leader-locator"] == "balanced"
+    # The cancels are a stream, replicated on as many nodes.
+    assert plan.cancels_queue.arguments["x-queue-type"] == "stream"
+    assert plan.cancels_queue.arguments["x-initial-cluster-size"] == 3
     for queue in (*plan.delay_queues, *plan.ready_queues.values()):
         assert queue.arguments["x-dead-letter-strategy"] == "at-least-once"
     classic = build_plan(

@@ -96,7 +96,10 @@ def test_quorum_mode(broker_url, run_worker, records):
         listed = rabbitmqctl("list_queues", "name", "type", "arguments", "-q", "--no-table-headers")
         mine = [line for line in listed.splitlines() if line.startswith(prefix)]
         delay_lines = [line for line in mine if ".delay." in line]
-        assert delay_lines and all("quorum" in line for line in mine)
+        assert delay_lines and all(
+            "quorum" in line for line in mine if not line.startswith(f"{prefix}.cancels")
+        )
+        assert any(line.startswith(f"{prefix}.cancels\tstream") for line in mine)
         assert all("at-least-once" in line for line in delay_lines)
         run_worker()
         start = time.time()

@@ -9,6 +9,7 @@ from zoneinfo import ZoneInfo
 import pytest
 from django.test import override_settings
 
+from deferred.jobs import due_of
 from deferred.schedule import ScheduleError, cron, every, occurrence_id
 
 NEW_YORK = ZoneInfo("America/New_York")
@@ -137,7 +138,9 @@ def test_occurrence_ids_are_stable_per_task_and_instant():
     assert occurrence_id("app.digest", at) == occurrence_id("app.digest", same)
     assert occurrence_id("app.digest", at) != occurrence_id("app.other", at)
     assert occurrence_id("app.digest", at) != occurrence_id("app.digest", at + timedelta(minutes=1))
-    assert len(occurrence_id("app.digest", at)) == 36
+    # A job id like any other: 32 hex digits carrying the due time, so it can be cancelled.
+    assert due_of(occurrence_id("app.digest", at)) == at
+    assert len(occurrence_id("app.digest", at)) == 32
 
 
 def test_a_changed_schedule_has_another_key():

@@ -160,3 +160,40 @@ def test_the_page_shows_the_recurring_jobs(client: Client, staff, topology) -> N
         content = client.get("/deferred/").content.decode()
     assert "Recurring jobs (scheduling worker: none yet)" in content
     assert "tests.tick" in content and "every 5 min" in content
+
+
+def test_cancel_a_failed_job_then_a_retry_of_it_is_dropped(
+    client: Client, staff, failed_job: str, caplog
+) -> None:
+    client.force_login(staff)
+    page = client.get("/deferred/").content.decode()
+    assert re.search(r'action="/deferred/cancel/".*?name="id" value="' + failed_job, page, re.S)
+    # When staff cancels the failed job
+    response = client.post("/deferred/cancel/", {"id": failed_job}, follow=True)
+    page = response.content.decode()
+    assert "1 job(s) cancelled" in page
+    # Then the page counts the cancel and shows the entry as cancelled, with no Retry
+    assert response.context["snapshot"].cancels >= 1
+    row = re.search(rf'data-job-id="{failed_job}".*?</tr>', page, re.S)
+    assert row and "cancelled" in row[0] and 'value="Retry"' not in row[0]
+    # And a retry of it (all of them, from the command line) is dropped by the worker
+    failures.redrive(get_settings(), None)
+    dropped = f"job={failed_job} task=tests.explode attempt=1"
+    assert wait_for(
+        lambda: any(dropped in m and "outcome=cancelled" in m for m in caplog.messages), 15
+    )
+    assert failed_ids() == []
+
+
+def test_cancel_jobs_by_id_from_the_form(client: Client, staff, own_topology, tmp_path) -> None:
+    path = str(tmp_path / "never.jsonl")
+    first, second = (defer(record, timedelta(minutes=10), path, "later") for _ in range(2))
+    client.force_login(staff)
+    response = client.post("/deferred/cancel/", {"ids": f"{first}, {second}"}, follow=True)
+    assert "2 job(s) cancelled" in response.content.decode()
+    assert re.search(r'id="deferred-cancels-count">\s*2<', response.content.decode())
+    assert (
+        "No job id was given."
+        in client.post("/deferred/cancel/", {"ids": " "}, follow=True).content.decode()
+    )
+    assert client.get("/deferred/cancel/").status_code == 405

@@ -17,14 +17,20 @@ class Reminder(models.Model):
     due_at = models.DateTimeField()
     #: Set by the ``reminders.send_reminder`` task; ``None`` while pending.
     ran_at = models.DateTimeField(null=True, blank=True)
-    #: The id ``defer()`` returned, to find the job in the worker's logs.
+    #: The id ``defer()`` returned, to find the job in the worker's logs and to cancel it.
     job_id = models.CharField(max_length=64, blank=True)
+    #: Set when the user cancelled the reminder: its job was cancelled and never runs.
+    cancelled_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         ordering = ["-created_at", "-pk"]
 
     def __str__(self) -> str:
         return self.message
+
+    @property
+    def pending(self) -> bool:
+        return self.ran_at is None and self.cancelled_at is None
 
     @property
     def lateness_ms(self) -> float | None:

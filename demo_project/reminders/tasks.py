@@ -42,6 +42,11 @@ def send_reminder(reminder_id: int) -> None:
         if reminder is None:
             logger.info("Reminder %s no longer exists; nothing to send.", reminder_id)
             return
+        if reminder.cancelled_at is not None:
+            # The worker drops a cancelled job; this covers a cancel that came
+            # while the job was already running.
+            logger.info("Reminder %s was cancelled; not sending it.", reminder_id)
+            return
         if reminder.ran_at is not None:
             logger.info(
                 "Reminder %s already ran at %s; ignoring the repeat.",

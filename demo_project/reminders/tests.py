@@ -203,3 +203,50 @@ def test_the_digest_runs_once_per_occurrence_and_shows_on_the_page(client: Clien
     content = client.get("/").content.decode()
     assert "Digest, every minute" in content
     assert occurrence.strftime("%Y-%m-%d %H:%M:%S") in content
+
+
+@pytest.mark.django_db
+def test_cancel_button_cancels_the_captured_job_and_shows_cancelled(client: Client) -> None:
+    with capture() as jobs:
+        client.post("/", {"message": "never", "delay_seconds": "60"})
+        reminder = Reminder.objects.get()
+        assert f'action="/reminders/{reminder.pk}/cancel"' in client.get("/").content.decode()
+        response = client.post(f"/reminders/{reminder.pk}/cancel")
+    assert response.status_code == 302
+    assert list(jobs) == []  # the captured job is gone: cancel() removed it
+    reminder.refresh_from_db()
+    assert reminder.cancelled_at is not None and reminder.ran_at is None
+    page = client.get("/").content.decode()
+    assert "cancelled" in page and f"/reminders/{reminder.pk}/cancel" not in page
+    # A second cancel of the same reminder is refused politely.
+    client.post(f"/reminders/{reminder.pk}/cancel")
+    assert "no longer pending" in client.get("/").content.decode()
+
+
+# Needs RabbitMQ: the cancel goes to the broker and the worker drops the job.
+@pytest.mark.django_db(transaction=True)
+def test_a_cancelled_reminder_never_runs_and_its_neighbour_does(client: Client) -> None:
+    call_command("declare_delay_topology")
+    worker = Worker(install_signal_handlers=False)
+    thread = threading.Thread(target=worker.run, name="reminders-test-worker")
+    thread.start()
+    try:
+        assert worker.consuming.wait(10), "the worker did not start consuming"
+        client.post("/", {"message": "cancel me", "delay_seconds": "1"})
+        client.post("/", {"message": "keep me", "delay_seconds": "1"})
+        gone = Reminder.objects.get(message="cancel me")
+        kept = Reminder.objects.get(message="keep me")
+        assert client.post(f"/reminders/{gone.pk}/cancel").status_code == 302
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not (
+            kept.ran_at and worker.outcomes["cancelled"] == 1
+        ):
+            time.sleep(0.05)
+            kept.refresh_from_db()
+    finally:
+        worker.stop()
+        thread.join(timeout=30)
+    gone.refresh_from_db()
+    assert kept.ran_at is not None
+    assert worker.outcomes["cancelled"] == 1
+    assert gone.ran_at is None and gone.cancelled_at is not None

@@ -8,5 +8,6 @@ app_name = "reminders"
 
 urlpatterns = [
     path("", views.index, name="index"),
+    path("reminders/<int:pk>/cancel", views.cancel_reminder, name="cancel"),
     path("healthz", views.healthz, name="healthz"),
 ]

@@ -14,9 +14,9 @@ from django.db import transaction
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
 from django.utils import timezone
-from django.views.decorators.http import require_GET, require_http_methods
+from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
-from deferred import defer
+from deferred import BrokerError, cancel, defer
 from demo_project.reminders.forms import ReminderForm
 from demo_project.reminders.models import Digest, Reminder
 from demo_project.reminders.tasks import send_reminder
@@ -69,9 +69,32 @@ def index(request: HttpRequest) -> HttpResponse:
         "reminders": reminders,
         "digests": list(Digest.objects.all()[:DIGESTS_SHOWN]),
         # Reload only while there is something to watch.
-        "refresh_seconds": REFRESH_SECONDS if any(r.ran_at is None for r in reminders) else None,
+        "refresh_seconds": REFRESH_SECONDS if any(r.pending for r in reminders) else None,
     }
     return render(request, "reminders/index.html", context)
+
+
+@require_POST
+def cancel_reminder(request: HttpRequest, pk: int) -> HttpResponse:
+    """Cancel a pending reminder: its job is cancelled in the broker, and never runs.
+
+    No "cancelled" check in the task is needed: the worker drops the job.
+    The row only records the cancel, for the page.
+    """
+    with transaction.atomic():
+        reminder = Reminder.objects.select_for_update().filter(pk=pk).first()
+        if reminder is None or not reminder.pending:
+            messages.warning(request, "That reminder is no longer pending.")
+            return redirect("reminders:index")
+        try:
+            cancel(reminder.job_id)
+        except (BrokerError, ValueError) as exc:  # ValueError: a row with no job id
+            messages.error(request, f"Could not cancel the reminder: {exc}")
+            return redirect("reminders:index")
+        reminder.cancelled_at = timezone.now()
+        reminder.save(update_fields=["cancelled_at"])
+    messages.success(request, f"Reminder cancelled (job {reminder.job_id}).")
+    return redirect("reminders:index")
 
 
 @require_GET

@@ -143,3 +143,12 @@ def chain(path: str, n: int) -> None:
 # The django.tasks tasks of the backend's tests: a tasks.py module imports
 # them, as a user's app would, so the worker knows them.
 from tests.testapp import framework_tasks  # noqa: E402, F401
+
+
+@task(name="tests.slow_fail", max_retries=2, retry_backoff=[0.1])
+def slow_fail(path: str, label: str, seconds: float) -> None:
+    """Records its start and its end, then fails: a retry would show as a second start."""
+    _append(path, label=f"{label}:start", attempt=_attempt())
+    time.sleep(seconds)
+    _append(path, label=f"{label}:end", attempt=_attempt())
+    raise RuntimeError(f"{label} failed after running")
