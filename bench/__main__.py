@@ -1,7 +1,7 @@
 """Run the benchmarks and write ``docs/bench/``: results.json, README.md and plots.
 
 python -m bench [--quick] [--only raw,latency,dispatch,sustained,scale,alternatives,operate,
-                                 schedules,cancels,cluster]
+                                 schedules,cancels,signing,cluster]
 
 The cluster scenario runs on the local three-node cluster (scripts/local-cluster.sh),
 which it starts if it does not run (and then stops at the end); --smoke leaves it out.
@@ -30,6 +30,7 @@ SCENARIOS = [
     "operate",
     "schedules",
     "cancels",
+    "signing",
     "cluster",
 ]
 
@@ -57,6 +58,7 @@ def parameters(quick: bool, smoke: bool = False) -> dict[str, Any]:
             "operate": (20, 20, 20),
             "schedules": {"steady_s": 4, "after_s": 3},
             "cancels": {"calls": 20, "propagation": 10, "race": 5, "n_force": 1000},
+            "signing": {"rounds": 1000, "calls": 40, "jobs": 200, "repeats": 1},
             "cluster": None,  # the smoke run needs no cluster
         }
     if quick:
@@ -78,6 +80,7 @@ def parameters(quick: bool, smoke: bool = False) -> dict[str, Any]:
             "operate": (300, 200, 1000),
             "schedules": {"steady_s": 20, "after_s": 10},
             "cancels": {"calls": 300, "propagation": 100, "race": 50, "n_force": 100_000},
+            "signing": {"rounds": 100_000, "calls": 1000, "jobs": 5000, "repeats": 2},
             "celery": {"eta_pending": 5000, "timeout": None, "rates": [100], "seconds": 3},
             "cluster": {
                 "rates": [100, 400],
@@ -122,6 +125,7 @@ def parameters(quick: bool, smoke: bool = False) -> dict[str, Any]:
         "operate": (2000, 1000, 1000),
         "schedules": {"steady_s": 120, "after_s": 30},
         "cancels": {"calls": 1000, "propagation": 300, "race": 200, "n_force": 100_000},
+        "signing": {"rounds": 200_000, "calls": 4000, "jobs": 20_000, "repeats": 3},
         "celery": {
             "eta_pending": 100_000,
             "timeout": (5000, 90.0, 20),
@@ -168,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         report,
         scale,
         schedules,
+        signing,
         sustained,
     )
 
@@ -249,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     step("operate", lambda: operate.run(*p["operate"]))
     step("schedules", lambda: schedules.run(p["schedules"]))
     step("cancels", lambda: cancels.run(p["cancels"]))
+    step("signing", lambda: signing.run(p["signing"]))
     # Last: it starts three more brokers on this machine (and stops them if it started them).
     if p["cluster"] is None:
         if "cluster" in chosen:

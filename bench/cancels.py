@@ -36,8 +36,8 @@ class _TimedWatch(CancelWatch):
 
     seen: dict[str, float]
 
-    def _on_message(self, offset: int, body: bytes) -> None:
-        super()._on_message(offset, body)
+    def _on_message(self, offset: int, body: bytes, headers: dict[str, Any]) -> None:
+        super()._on_message(offset, body, headers)
         now = time.time()
         if marker_of(body) is None:
             for job_id in decode(body)[0]:

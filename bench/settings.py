@@ -38,6 +38,11 @@ if os.environ.get("BENCH_STUCK_AFTER_S"):
 if os.environ.get("BENCH_REPAIR_STUCK"):
     DEFERRED["REPAIR_STUCK"] = os.environ["BENCH_REPAIR_STUCK"] == "1"
 
+# The signing scenario's unsigned runs: nothing signed, nothing checked.
+if os.environ.get("BENCH_SIGNING") == "0":
+    DEFERRED["SIGNING"] = False
+    SECRET_KEY = ""
+
 # The schedules scenario: bench.tick every BENCH_EVERY_S seconds.
 if os.environ.get("BENCH_EVERY_S"):
     from deferred.schedule import every

@@ -13,12 +13,15 @@ say what to do, so nothing outside this module needs to know pika.
 
 from __future__ import annotations
 
+import ast
 import json
 import logging
 import os
 import re
+import ssl
 import threading
 import time
+import urllib.parse
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -173,6 +176,68 @@ class Node:
         failover.lost(self.urls, self.index)
 
 
+def parameters(url: str) -> pika.URLParameters:
+    """pika's parameters for ``url``, with its TLS options read as pika reads them.
+
+    An ``amqps://`` URL verifies the broker's certificate against the system's
+    CAs and checks its host name (pika's default). Its ``ssl_options`` query
+    argument is pika's (a dict literal: ``cafile``, ``certfile``, ``keyfile``,
+    ``password``, ``ciphers``, ``server_hostname``), read here rather than by
+    pika so that naming a CA file or a client certificate keeps verification
+    and host-name checks on, and leaves the system's CAs out only when a CA
+    file is given. The ``TLS_*`` settings arrive this way (see conf.py).
+    """
+    rest, ssl_value = _split_ssl_options(url)
+    params = pika.URLParameters(rest)
+    if ssl_value is not None and params.ssl_options is not None:
+        params.ssl_options = _ssl_options(ssl_value)
+    return params
+
+
+def tls_context(url: str) -> ssl.SSLContext | None:
+    """The SSL context of an ``amqps://`` URL with ``ssl_options`` (``None`` otherwise).
+
+    The management API is asked with it too: the same CA, the same client certificate.
+    """
+    rest, ssl_value = _split_ssl_options(url)
+    if ssl_value is None or not rest.startswith("amqps://"):
+        return None
+    context: ssl.SSLContext = _ssl_options(ssl_value).context
+    return context
+
+
+def _split_ssl_options(url: str) -> tuple[str, str | None]:
+    """``url`` without its ``ssl_options`` query argument, and that argument."""
+    parts = urllib.parse.urlsplit(url)
+    query = urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
+    ssl_value = next((v for k, v in query if k == "ssl_options"), None)
+    if ssl_value is None:
+        return url, None
+    rest = urllib.parse.urlencode([(k, v) for k, v in query if k != "ssl_options"])
+    return urllib.parse.urlunsplit(parts._replace(query=rest)), ssl_value
+
+
+@lru_cache(maxsize=16)
+def _ssl_options(value: str) -> pika.SSLOptions:
+    """An ``ssl_options`` dict literal as ``pika.SSLOptions`` (cached: CA files are read once)."""
+    try:
+        opts = ast.literal_eval(value)
+    except (ValueError, SyntaxError) as exc:
+        raise ValueError(f"ssl_options in the broker URL is not a dict literal: {exc}") from None
+    if not isinstance(opts, dict):
+        raise ValueError("ssl_options in the broker URL must be a dict literal")
+    context = ssl.create_default_context(
+        cafile=opts.get("cafile") or opts.get("ca_certs"),
+        capath=opts.get("capath") or opts.get("ca_path"),
+        cadata=opts.get("cadata") or opts.get("ca_data"),
+    )
+    if opts.get("certfile"):
+        context.load_cert_chain(opts["certfile"], opts.get("keyfile"), opts.get("password"))
+    if opts.get("ciphers"):
+        context.set_ciphers(opts["ciphers"])
+    return pika.SSLOptions(context, server_hostname=opts.get("server_hostname"))
+
+
 def open_connection(
     urls: Urls, *, timeout: float | None = None, heartbeat: int | None = None
 ) -> tuple[pika.BlockingConnection, Node]:
@@ -188,7 +253,11 @@ def open_connection(
     order = failover.order(all_urls)
     for position, index in enumerate(order):
         url = all_urls[index]
-        params = pika.URLParameters(url)
+        try:
+            params = parameters(url)
+        except (OSError, ValueError) as exc:  # a CA or certificate file that cannot be read
+            failures.append(f"{safe_url(url)}: bad TLS options: {exc}")
+            continue
         if "blocked_connection_timeout" not in url:
             # pika's default is to wait forever: a web request would hang.
             params.blocked_connection_timeout = BLOCKED_TIMEOUT_S
@@ -212,7 +281,7 @@ def open_connection(
         try:
             connection = pika.BlockingConnection(params)
         except (*_CONNECTION_ERRORS, px.AMQPError) as exc:
-            failures.append(f"{safe_url(url)}: {exc!r}")
+            failures.append(f"{safe_url(url)}: {exc!r}{_tls_hint(repr(exc))}")
             continue
         failover.connected(all_urls, index)
         return connection, Node(all_urls, index)
@@ -220,9 +289,27 @@ def open_connection(
     raise BrokerUnavailable(f"Cannot connect to RabbitMQ {where}{'; '.join(failures)}")
 
 
+def _tls_hint(error: str) -> str:
+    """What to change when a TLS handshake failed, from pika's description of it."""
+    if "CERTIFICATE_VERIFY_FAILED" in error:
+        return (
+            " (the broker's certificate does not verify: DEFERRED['TLS_CA_FILE'] names the CA "
+            "that signed it, DEFERRED['TLS_SERVER_NAME'] the name it carries)"
+        )
+    if "CERTIFICATE_REQUIRED" in error or "PEER_DID_NOT_RETURN_A_CERTIFICATE" in error:
+        return (
+            " (the broker requires a client certificate: set DEFERRED['TLS_CERT_FILE'] and "
+            "DEFERRED['TLS_KEY_FILE'])"
+        )
+    return ""
+
+
 def answers(url: str, timeout: float = 1.0) -> bool:
     """Whether the node at ``url`` accepts a connection now (the failover order is untouched)."""
-    params = pika.URLParameters(url)
+    try:
+        params = parameters(url)
+    except (OSError, ValueError):
+        return False
     params.socket_timeout = params.stack_timeout = timeout
     params.connection_attempts = 1
     try:
@@ -239,15 +326,15 @@ def connect(urls: Urls, *, timeout: float | None = None) -> pika.BlockingConnect
 
 
 def safe_url(url: str) -> str:
-    """The URL without its password, for messages and logs."""
-    params = pika.URLParameters(url)
+    """The URL without its password (nor any query), for messages and logs."""
+    params = pika.URLParameters(_split_ssl_options(url)[0])
     vhost = "" if params.virtual_host == "/" else params.virtual_host
     return f"{params.host}:{params.port}/{vhost}"
 
 
 def vhost_of(urls: Urls) -> str:
     """The virtual host the URL(s) connect to, read exactly as pika reads it (no I/O)."""
-    return str(pika.URLParameters(as_urls(urls)[0]).virtual_host)
+    return str(pika.URLParameters(_split_ssl_options(as_urls(urls)[0])[0]).virtual_host)
 
 
 class _DeadlineExceeded(px.AMQPConnectionError):  # type: ignore[misc]
@@ -549,7 +636,7 @@ class _ConfirmedBatches:
                     message.exchange,
                     message.routing_key,
                     message.body,
-                    _properties(message.message_id, None),
+                    _properties(message.message_id, message.headers),
                     mandatory=True,
                 )
             self.channel._flush_output(lambda: not self._pending)
@@ -570,6 +657,7 @@ class Outgoing:
     routing_key: str
     body: bytes
     message_id: str
+    headers: dict[str, Any] | None = None
 
 
 def _properties(message_id: str, headers: dict[str, Any] | None) -> pika.BasicProperties:
@@ -1018,6 +1106,13 @@ def verify_topology(urls: Urls, plan: Plan, *, timeout: float | None = None) -> 
         raise not_declared(plan, missing, admin.node.address)
 
 
+def verify_exchange(urls: Urls, plan: Plan, name: str, *, timeout: float | None = None) -> None:
+    """Check passively that the exchange ``name`` of ``plan`` exists (``TopologyNotDeclared``)."""
+    with admin_channel(urls, timeout=timeout) as admin:
+        if not admin.exchange_exists(name):
+            raise not_declared(plan, [f"exchange {name}"], admin.node.address)
+
+
 # --------------------------------------------------------------------------- consuming
 
 
@@ -1032,6 +1127,8 @@ class Delivery:
     #: Which connection the tag belongs to: tags of a lost connection are void.
     generation: int
     headers: dict[str, Any]
+    #: The publisher's ``message_id`` (a job's id), if any.
+    message_id: str | None = None
 
 
 class Consumer:
@@ -1082,6 +1179,7 @@ class Consumer:
                             redelivered=bool(method.redelivered),
                             generation=generation,
                             headers=dict(props.headers or {}),
+                            message_id=props.message_id,
                         )
                     )
 
@@ -1220,7 +1318,7 @@ class StreamFollower:
     """Reads a stream from an offset (the start by default), then follows its tail.
 
     One connection, driven from one thread. Every message is handed to
-    ``on_message(offset, body)`` in stream order, and acked (a stream keeps
+    ``on_message(offset, body, headers)`` in stream order, and acked (a stream keeps
     it anyway: the ack only gives the consumer credit for more).
 
     :meth:`sync` catches up with what the consuming channel has been told:
@@ -1241,7 +1339,7 @@ class StreamFollower:
         self,
         urls: Urls,
         queue: str,
-        on_message: Callable[[int, bytes], None],
+        on_message: Callable[[int, bytes, dict[str, Any]], None],
         *,
         prefetch: int = 1000,
     ) -> None:
@@ -1302,7 +1400,8 @@ class StreamFollower:
         self._received += 1
         self._unacked += 1
         self._last_tag = method.delivery_tag
-        self.on_message(int((props.headers or {}).get("x-stream-offset", -1)), body)
+        headers = dict(props.headers or {})
+        self.on_message(int(headers.get("x-stream-offset", -1)), body, headers)
 
     @contextmanager
     def _guard(self) -> Iterator[None]:

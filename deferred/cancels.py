@@ -35,11 +35,12 @@ import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
-from deferred import broker
+from deferred import broker, signing
 from deferred.conf import DeferredSettings, get_settings
 from deferred.jobs import due_of, new_job_id, utcnow
-from deferred.topology import plan_topology
+from deferred.topology import CANCEL_ROUTING_KEY, plan_topology
 
 logger = logging.getLogger("deferred.cancels")
 
@@ -89,15 +90,26 @@ def cancel_many(job_ids: Iterable[str]) -> None:
         interceptors[-1](ids)
         return
     settings = get_settings()
-    queue = plan_topology(settings).cancels_queue.name
+    plan = plan_topology(settings)
+    bodies = [
+        encode(ids[n : n + IDS_PER_MESSAGE], utcnow()) for n in range(0, len(ids), IDS_PER_MESSAGE)
+    ]
     messages = [
-        broker.Outgoing("", queue, encode(ids[n : n + IDS_PER_MESSAGE], utcnow()), new_job_id())
-        for n in range(0, len(ids), IDS_PER_MESSAGE)
+        broker.Outgoing(
+            plan.ingest_exchange,
+            CANCEL_ROUTING_KEY,
+            body,
+            new_job_id(),
+            signing.sign(body, settings.signing_keys),
+        )
+        for body in bodies
     ]
     sender = broker.publisher(settings.broker_urls, settings.publish_timeout_s)
     if len(messages) == 1:
         m = messages[0]
-        sender.publish(m.exchange, m.routing_key, m.body, message_id=m.message_id)
+        sender.publish(
+            m.exchange, m.routing_key, m.body, message_id=m.message_id, headers=m.headers
+        )
     else:
         sender.publish_many(messages)
 
@@ -211,10 +223,12 @@ def read_cancels(settings: DeferredSettings | None = None, *, timeout: float = 3
     view = CancelView(settings.cancel_margin_ms / 1000)
     now = time.time()
 
-    def on_message(_offset: int, body: bytes) -> None:
+    def on_message(_offset: int, body: bytes, headers: dict[str, Any]) -> None:
         try:
             ids, at = decode(body)
-        except ValueError:
+            if settings.signing:
+                signing.verify(body, headers, settings.signing_keys)
+        except ValueError:  # BadSignature too: what a worker would ignore
             return
         view.add(ids, at, now)
 
@@ -336,10 +350,12 @@ class CancelWatch:
                 "the job is handed back rather than run without knowing whether it was cancelled."
             )
 
-    def _on_message(self, offset: int, body: bytes) -> None:
+    def _on_message(self, offset: int, body: bytes, headers: dict[str, Any]) -> None:
         self._next_offset = offset + 1
         marker = marker_of(body)
         if marker is not None:
+            # Unsigned: a marker only ends a catch-up, and its token is a
+            # random one no one else knows.
             if marker == self._awaited:
                 self._awaited = None
             return
@@ -350,6 +366,19 @@ class CancelWatch:
                 "Ignoring a message of stream %s that is not a cancel: %s", self.queue, exc
             )
             return
+        if self.settings.signing:
+            try:
+                signing.verify(body, headers, self.settings.signing_keys)
+            except signing.BadSignature as exc:
+                # A forged cancel would stop jobs from running: it is not applied.
+                logger.error(
+                    "Ignoring %d cancel(s) of stream %s at offset %d: %s.",
+                    len(ids),
+                    self.queue,
+                    offset,
+                    exc,
+                )
+                return
         self.view.add(ids, at, self.clock())
 
     def _declare_stream(self) -> bool:
@@ -361,7 +390,11 @@ class CancelWatch:
             with broker.admin_channel(
                 self.settings.broker_urls, timeout=self.settings.publish_timeout_s
             ) as admin:
-                admin.declare_queue(plan_topology(self.settings).cancels_queue)
+                plan = plan_topology(self.settings)
+                admin.declare_queue(plan.cancels_queue)
+                admin.channel.queue_bind(
+                    plan.cancels_queue.name, plan.ingest_exchange, CANCEL_ROUTING_KEY
+                )
         except broker.BrokerError as exc:
             logger.error("Could not declare the cancels stream %s: %s", self.queue, exc)
             return False
@@ -384,7 +417,10 @@ class CancelWatch:
         self._awaited = token
         sent = time.time()
         broker.publisher(self.settings.broker_urls, self.settings.publish_timeout_s).publish(
-            "", self.queue, encode_marker(token), message_id=token
+            plan_topology(self.settings).ingest_exchange,
+            CANCEL_ROUTING_KEY,
+            encode_marker(token),
+            message_id=token,
         )
         deadline = time.monotonic() + MARKER_TIMEOUT_S
         while self._awaited is not None:

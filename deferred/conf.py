@@ -10,10 +10,11 @@ because the cache is dropped on Django's ``setting_changed`` signal.
 from __future__ import annotations
 
 import math
+import os
 import re
 import urllib.parse
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from functools import lru_cache
 from typing import Any
@@ -77,6 +78,26 @@ DEFAULTS: dict[str, Any] = {
     # comes due while no worker runs is still cancelled if a worker takes it
     # within this margin. Workers keep each cancel in memory until then.
     "CANCEL_MARGIN": timedelta(milliseconds=CANCEL_MARGIN_MS),
+    # Every message carries an HMAC of its body; the worker runs only jobs
+    # signed with one of the keys (see deferred/signing.py). False: messages
+    # are still signed when a key exists, but not checked (a mixed fleet
+    # during an upgrade).
+    "SIGNING": True,
+    # None: SECRET_KEY, and SECRET_KEY_FALLBACKS for verifying. Set them for
+    # fleets whose web and worker processes must not share SECRET_KEY.
+    "SIGNING_KEY": None,
+    "SIGNING_KEY_FALLBACKS": None,
+    # A job body larger than this is refused by defer() and sent to the
+    # failed queue unread by the worker: it would sit in the broker's memory
+    # or disk for its whole delay.
+    "MAX_MESSAGE_BYTES": 256 * 1024,
+    # TLS to the broker (amqps:// URLs): a CA bundle to verify the broker
+    # with (None: the system's), a client certificate and key (mutual TLS),
+    # and the name to expect in the broker's certificate (None: the URL's host).
+    "TLS_CA_FILE": None,
+    "TLS_CERT_FILE": None,
+    "TLS_KEY_FILE": None,
+    "TLS_SERVER_NAME": None,
 }
 
 #: The management plugin's default ports, plain and TLS.
@@ -87,6 +108,10 @@ QUEUE_TYPES = ("classic", "quorum")
 #: A defer() that may take longer than this is a hung web request, not a timeout.
 MAX_PUBLISH_TIMEOUT_S = 300.0
 MAX_RADIX = 64
+#: The bounds of MAX_MESSAGE_BYTES: a job with a few arguments needs well
+#: under 1 KiB; RabbitMQ's own limit (max_message_size) is 128 MiB by default.
+MIN_MESSAGE_BYTES = 1024
+MAX_MESSAGE_BYTES = 128 * 1024 * 1024
 
 # Exchange and queue names: AMQP allows up to 255 bytes of any characters, but
 # a conservative alphabet keeps them usable in shells, URLs and rabbitmqctl.
@@ -106,11 +131,21 @@ def validate_queue_name(queue: object) -> None:
 
 
 @dataclass(frozen=True)
+class TLSOptions:
+    """Where the CA, the client certificate and its key are, and the name to expect."""
+
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+    server_name: str | None = None
+
+
+@dataclass(frozen=True)
 class DeferredSettings:
     """The validated ``DEFERRED`` setting; durations are whole milliseconds."""
 
-    #: One URL per node, in the order they are tried.
-    broker_urls: tuple[str, ...]
+    #: One URL per node, in the order they are tried. Never shown: they hold passwords.
+    broker_urls: tuple[str, ...] = field(repr=False)
     publish_timeout_s: float
     prefix: str
     max_delay_ms: int
@@ -125,7 +160,7 @@ class DeferredSettings:
     #: Whether the app may create the topology; if not, it only checks it.
     declare: bool
     #: The management API's base URLs, tried in order; empty when it is not to be asked.
-    management_urls: tuple[str, ...]
+    management_urls: tuple[str, ...] = field(repr=False)
     quorum_group_size: int
     stuck_after_s: float
     repair_stuck: bool
@@ -133,6 +168,14 @@ class DeferredSettings:
     schedules: tuple[tuple[str, Schedule], ...] = ()
     #: How long a cancel is kept after its job was due (``CANCEL_MARGIN``).
     cancel_margin_ms: int = CANCEL_MARGIN_MS
+    #: Whether the worker runs only jobs signed with one of ``signing_keys``.
+    signing: bool = True
+    #: The key messages are signed with, then the fallbacks accepted when
+    #: verifying; empty only with signing off and no key. Never shown.
+    signing_keys: tuple[str | bytes, ...] = field(default=(), repr=False)
+    max_message_bytes: int = 256 * 1024
+    #: TLS options for amqps:// URLs (None: pika's and the system's defaults).
+    tls: TLSOptions | None = None
 
     @property
     def broker_url(self) -> str:
@@ -342,6 +385,25 @@ def _build(raw: Any) -> DeferredSettings:
             f"{values['CANCEL_MARGIN']!r}."
         )
 
+    signing = values["SIGNING"]
+    if not isinstance(signing, bool):
+        raise ImproperlyConfigured(f"DEFERRED['SIGNING'] must be True or False, got {signing!r}.")
+    signing_keys = _signing_keys(values["SIGNING_KEY"], values["SIGNING_KEY_FALLBACKS"], signing)
+    max_message_bytes = values["MAX_MESSAGE_BYTES"]
+    if (
+        isinstance(max_message_bytes, bool)
+        or not isinstance(max_message_bytes, int)
+        or not MIN_MESSAGE_BYTES <= max_message_bytes <= MAX_MESSAGE_BYTES
+    ):
+        raise ImproperlyConfigured(
+            f"DEFERRED['MAX_MESSAGE_BYTES'] must be a whole number of bytes from "
+            f"{MIN_MESSAGE_BYTES} to {MAX_MESSAGE_BYTES} (RabbitMQ's default limit); "
+            f"got {max_message_bytes!r}."
+        )
+    tls = _tls(values)
+    if tls is not None:
+        broker_urls = tuple(_with_tls(url, tls) for url in broker_urls)
+
     result = DeferredSettings(
         broker_urls=broker_urls,
         publish_timeout_s=publish_timeout_s,
@@ -362,6 +424,10 @@ def _build(raw: Any) -> DeferredSettings:
         repair_stuck=repair_stuck,
         schedules=schedules,
         cancel_margin_ms=math.ceil(cancel_margin_ms),
+        signing=signing,
+        signing_keys=signing_keys,
+        max_message_bytes=max_message_bytes,
+        tls=tls,
     )
     # The plan enforces the limits that depend on several values at once
     # (routing-key length); building it here makes them configuration errors.
@@ -370,6 +436,110 @@ def _build(raw: Any) -> DeferredSettings:
     except TopologyError as exc:
         raise ImproperlyConfigured(str(exc)) from exc
     return result
+
+
+def _signing_keys(key: Any, fallbacks: Any, signing: bool) -> tuple[str | bytes, ...]:
+    """The signing key, then the fallbacks: ``SIGNING_KEY``'s, or ``SECRET_KEY``'s."""
+
+    def valid(name: str, value: Any) -> str | bytes:
+        if not isinstance(value, str | bytes) or not value:
+            raise ImproperlyConfigured(
+                f"{name} must be a non-empty string (or bytes); got a {type(value).__name__}."
+            )
+        return value
+
+    def listed(name: str, value: Any) -> tuple[str | bytes, ...]:
+        if value is None:
+            return ()
+        if isinstance(value, str | bytes) or not isinstance(value, list | tuple):
+            raise ImproperlyConfigured(f"{name} must be a list of keys.")
+        return tuple(valid(f"{name}[{n}]", v) for n, v in enumerate(value))
+
+    if key is not None:
+        return (
+            valid("DEFERRED['SIGNING_KEY']", key),
+            *listed("DEFERRED['SIGNING_KEY_FALLBACKS']", fallbacks),
+        )
+    if fallbacks is not None:
+        raise ImproperlyConfigured(
+            "DEFERRED['SIGNING_KEY_FALLBACKS'] needs DEFERRED['SIGNING_KEY'] (without it, "
+            "SECRET_KEY and SECRET_KEY_FALLBACKS are used)."
+        )
+    try:
+        secret = django_settings.SECRET_KEY
+    except ImproperlyConfigured:
+        secret = ""
+    if not secret:
+        if signing:
+            raise ImproperlyConfigured(
+                "deferred signs its jobs with a key derived from SECRET_KEY, which is empty: "
+                "set SECRET_KEY or DEFERRED['SIGNING_KEY']."
+            )
+        return ()
+    return (
+        valid("SECRET_KEY", secret),
+        *listed("SECRET_KEY_FALLBACKS", getattr(django_settings, "SECRET_KEY_FALLBACKS", None)),
+    )
+
+
+def _tls(values: dict[str, Any]) -> TLSOptions | None:
+    """The TLS_* settings; ``None`` when none is set."""
+    paths = {}
+    for name in ("TLS_CA_FILE", "TLS_CERT_FILE", "TLS_KEY_FILE", "TLS_SERVER_NAME"):
+        value = values[name]
+        if value is not None and (not isinstance(value, str | os.PathLike) or not str(value)):
+            raise ImproperlyConfigured(
+                f"DEFERRED[{name!r}] must be a path (or, for TLS_SERVER_NAME, a host name) "
+                f"or None; got {value!r}."
+            )
+        paths[name] = None if value is None else os.fspath(value)
+        if name != "TLS_SERVER_NAME" and value is not None and not os.path.isfile(value):
+            raise ImproperlyConfigured(f"DEFERRED[{name!r}]: no such file: {value}.")
+    if all(v is None for v in paths.values()):
+        return None
+    if (paths["TLS_CERT_FILE"] is None) != (paths["TLS_KEY_FILE"] is None):
+        raise ImproperlyConfigured(
+            "DEFERRED['TLS_CERT_FILE'] and DEFERRED['TLS_KEY_FILE'] go together: a client "
+            "certificate needs its key (mutual TLS)."
+        )
+    return TLSOptions(
+        ca_file=paths["TLS_CA_FILE"],
+        cert_file=paths["TLS_CERT_FILE"],
+        key_file=paths["TLS_KEY_FILE"],
+        server_name=paths["TLS_SERVER_NAME"],
+    )
+
+
+def _with_tls(url: str, tls: TLSOptions) -> str:
+    """``url`` with the ``TLS_*`` settings as pika's ``ssl_options`` query argument.
+
+    The URL is what every connection is made from, so the options travel
+    with it: one place (``broker.parameters``) turns them into an SSL context.
+    """
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme != "amqps":
+        raise ImproperlyConfigured(
+            "DEFERRED['TLS_*'] settings apply to amqps:// broker URLs; "
+            f"{parts.scheme}://{parts.hostname}:{parts.port or 5672} is not encrypted."
+        )
+    query = urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
+    if any(key == "ssl_options" for key, _ in query):
+        raise ImproperlyConfigured(
+            "A broker URL has its own ssl_options and DEFERRED['TLS_*'] settings are given "
+            "too: use one or the other."
+        )
+    options = {
+        key: value
+        for key, value in (
+            ("cafile", tls.ca_file),
+            ("certfile", tls.cert_file),
+            ("keyfile", tls.key_file),
+            ("server_hostname", tls.server_name),
+        )
+        if value is not None
+    }
+    query.append(("ssl_options", repr(options)))
+    return urllib.parse.urlunsplit(parts._replace(query=urllib.parse.urlencode(query)))
 
 
 def _schedules(value: Any) -> tuple[tuple[str, Schedule], ...]:
@@ -399,6 +569,7 @@ def get_settings() -> DeferredSettings:
 
 @receiver(setting_changed)
 def _reset(*, setting: str, **kwargs: Any) -> None:
-    if setting == "DEFERRED":
+    # The signing keys come from SECRET_KEY and SECRET_KEY_FALLBACKS by default.
+    if setting in ("DEFERRED", "SECRET_KEY", "SECRET_KEY_FALLBACKS"):
         get_settings.cache_clear()
         plan_topology.cache_clear()

@@ -21,6 +21,7 @@ import json
 import re
 from typing import Any
 
+from deferred import permissions
 from deferred.topology import Binding, Exchange, Plan, Queue
 
 #: The Terraform provider the generated module requires.
@@ -30,14 +31,18 @@ TERRAFORM_PROVIDER = "cyrilgdn/rabbitmq"
 # --------------------------------------------------------------------------- definitions
 
 
-def definitions(plan: Plan, *, vhost: str = "/") -> dict[str, Any]:
+def definitions(plan: Plan, *, vhost: str = "/", users: bool = False) -> dict[str, Any]:
     """The RabbitMQ definitions document for every exchange, queue and binding of ``plan``.
 
     The document lists no vhost: importing a vhost that exists already would
     reset its description and tags, and creating one would still leave it
     without permissions. Create the vhost first.
+
+    ``users`` adds the three least-privilege users (see :mod:`deferred.permissions`)
+    and their permissions on ``vhost``, with no password: set one per user
+    with ``rabbitmqctl change_password`` (see :func:`user_definitions`).
     """
-    return {
+    document = {
         "exchanges": [
             {
                 "name": exchange.name,
@@ -70,6 +75,34 @@ def definitions(plan: Plan, *, vhost: str = "/") -> dict[str, Any]:
                 "arguments": {},
             }
             for binding in plan.all_bindings
+        ],
+    }
+    if users:
+        document.update(user_definitions(plan.prefix, vhost))
+    return document
+
+
+def user_definitions(prefix: str, vhost: str) -> dict[str, Any]:
+    """The ``users`` and ``permissions`` sections for the three roles.
+
+    No password and no hash: a password never belongs in a file that is
+    reviewed and committed. Users created this way cannot log in until
+    ``rabbitmqctl change_password`` gives them one.
+    """
+    return {
+        "users": [
+            {"name": permissions.user_name(role, prefix), "tags": []} for role in permissions.ROLES
+        ],
+        "permissions": [
+            {
+                "user": permissions.user_name(role, prefix),
+                "vhost": vhost,
+                "configure": rights.configure,
+                "write": rights.write,
+                "read": rights.read,
+            }
+            for role in permissions.ROLES
+            for rights in [permissions.for_role(role, prefix)]
         ],
     }
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 import os
 import socket
 import traceback
@@ -21,19 +22,22 @@ from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any
 
-from deferred import broker
+from deferred import broker, signing
 from deferred.conf import DeferredSettings
 from deferred.delays import delay_ms
+from deferred.intake import BAD_SIGNATURE as BAD_SIGNATURE
+from deferred.intake import TOO_LARGE as TOO_LARGE
 from deferred.jobs import INVALID as INVALID
 from deferred.jobs import UNDECODABLE as UNDECODABLE
-from deferred.jobs import BrokenMessage, Job, new_job_id, utcnow
+from deferred.jobs import BrokenMessage, Job, looks_like_id, new_job_id, utcnow
 from deferred.publishing import publish
 from deferred.retries import RETRIES_EXHAUSTED as RETRIES_EXHAUSTED
 from deferred.retries import TASK_ERROR as TASK_ERROR
 from deferred.topology import plan_topology
 
 # Why a job is in the failed queue: TASK_ERROR and RETRIES_EXHAUSTED (decided by
-# the retry policy), UNDECODABLE and INVALID (by the job format), imported above
+# the retry policy), UNDECODABLE and INVALID (by the job format), TOO_LARGE and
+# BAD_SIGNATURE (by the worker's intake, before anything is read), imported above
 # from where they are decided, and these:
 
 #: No task is registered under the job's name in this worker.
@@ -42,6 +46,10 @@ UNKNOWN_TASK = "unknown_task"
 DELIVERY_LIMIT = "delivery_limit"
 #: A delayed job found no route after its first hop (e.g. an undeclared queue).
 UNROUTABLE = "unroutable"
+#: How much of a body that is not kept whole (too large) the record keeps.
+BODY_HEAD_BYTES = 512
+
+logger = logging.getLogger("deferred.failures")
 
 REASON_HEADER = "x-deferred-reason"
 
@@ -68,11 +76,23 @@ def failure_record(
     body: bytes,
     error: BaseException | None = None,
     detail: str | None = None,
+    message_id: str | None = None,
+    keep_body: bool = True,
 ) -> dict[str, Any]:
-    """The JSON document the worker stores in the failed queue."""
+    """The JSON document the worker stores in the failed queue.
+
+    A job keeps its id; a body that was not read takes the message's id when
+    it looks like a job id, else a new one, so that it can be purged by id.
+    ``keep_body=False`` (a body too large) keeps its size and first bytes only.
+    """
+    if job is not None:
+        entry_id = job.id
+    elif message_id is not None and looks_like_id(message_id):
+        entry_id = message_id
+    else:
+        entry_id = new_job_id()
     record: dict[str, Any] = {
-        # A job keeps its id; an unreadable body gets one, so it can be purged by id.
-        "id": job.id if job else new_job_id(),
+        "id": entry_id,
         "task": job.task if job else None,
         "reason": reason,
         "detail": detail or (describe(error) if error else reason),
@@ -90,7 +110,10 @@ def failure_record(
             "message": describe(error),
             "traceback": _traceback(error),
         }
-    if job is None:
+    if job is None and not keep_body:
+        record["raw_body_bytes"] = len(body)
+        record["raw_body_head_base64"] = base64.b64encode(body[:BODY_HEAD_BYTES]).decode()
+    elif job is None:
         try:
             record["raw_body"] = body.decode()
         except UnicodeDecodeError:
@@ -99,14 +122,19 @@ def failure_record(
 
 
 def store_failure(settings: DeferredSettings, record: dict[str, Any]) -> None:
-    """Publish ``record`` to the failed queue, confirmed, before the job is acked."""
+    """Publish ``record`` to the failed queue, confirmed, before the job is acked.
+
+    Signed like a job: a re-drive runs what the record holds, so a record
+    anyone could have written there needs ``--resign`` to be run.
+    """
     plan = plan_topology(settings)
+    body = json.dumps(record, default=repr).encode()
     broker.publisher(settings.broker_urls, settings.publish_timeout_s).publish(
         "",
         plan.failed_queue.name,
-        json.dumps(record, default=repr).encode(),
+        body,
         message_id=record["id"],
-        headers={REASON_HEADER: record["reason"]},
+        headers={REASON_HEADER: record["reason"], **signing.sign(body, settings.signing_keys)},
     )
 
 
@@ -125,6 +153,11 @@ class FailedJob:
     failed_at: str | None
     #: The job itself, when it can be run again.
     job: Job | None
+    #: The job's body as it arrived, when it was not read (a bad signature).
+    raw: bytes | None = None
+    #: Whether the entry is signed with a key this process accepts (always
+    #: ``True`` when it was not checked): a re-drive runs only trusted entries.
+    trusted: bool = True
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -139,14 +172,39 @@ class FailedJob:
             "queue": self.job.queue if self.job else None,
             "args": list(self.job.args) if self.job else None,
             "kwargs": self.job.kwargs if self.job else None,
+            # The body as it arrived, when it was not read as a job (to be
+            # inspected before a `retry --resign`).
+            "raw_body": self.raw.decode(errors="replace") if self.raw is not None else None,
         }
 
 
-def parse_failed(body: bytes, headers: dict[str, Any], message_id: str | None) -> FailedJob:
-    """Read one message of the failed queue."""
+def parse_failed(
+    body: bytes,
+    headers: dict[str, Any],
+    message_id: str | None,
+    keys: tuple[str | bytes, ...] | None = None,
+) -> FailedJob:
+    """Read one message of the failed queue; with ``keys``, check its signature too.
+
+    A worker's record is signed by the worker that wrote it; a bare job
+    (put there by RabbitMQ) carries the signature it was published with.
+    """
+    entry = _parse_failed(body, headers, message_id)
+    if keys is None:
+        return entry
+    try:
+        signing.verify(body, headers, keys)
+    except signing.BadSignature:
+        return replace(entry, trusted=False)
+    return entry
+
+
+def _parse_failed(body: bytes, headers: dict[str, Any], message_id: str | None) -> FailedJob:
+    # Whatever is in the failed queue is shown, never raised on: the page
+    # and the commands must work on the entries they are there to fix.
     try:
         data = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):
         data = None
     if isinstance(data, dict) and "reason" in data and "job" in data:
         return _from_record(data)
@@ -164,8 +222,9 @@ def parse_failed(body: bytes, headers: dict[str, Any], message_id: str | None) -
             failed_at=None,
             job=None,
         )
-    deaths = headers.get("x-death") or []
-    death_reason = str(deaths[0].get("reason", "")) if deaths else ""
+    deaths = headers.get("x-death") if isinstance(headers, dict) else None
+    first = deaths[0] if isinstance(deaths, list) and deaths else None
+    death_reason = str(first.get("reason", "")) if isinstance(first, dict) else ""
     if death_reason == "delivery_limit":
         reason, error = DELIVERY_LIMIT, "delivered too many times without an ack (worker crashes?)"
     else:
@@ -194,20 +253,34 @@ def _from_record(data: dict[str, Any]) -> FailedJob:
     error_text: str | None
     if isinstance(error, dict):
         error_text = f"{error.get('type')}: {error.get('message')}"
-        trace = error.get("traceback")
+        trace = _text(error.get("traceback"))
     else:
-        error_text, trace = data.get("detail"), None
+        error_text, trace = _text(data.get("detail")), None
+    raw = None
+    if isinstance(data.get("raw_body"), str):
+        raw = data["raw_body"].encode(errors="replace")
+    elif isinstance(data.get("raw_body_base64"), str):
+        try:
+            raw = base64.b64decode(data["raw_body_base64"], validate=True)
+        except ValueError:
+            raw = None
     return FailedJob(
-        id=str(data.get("id") or (job.id if job else "")),
-        task=data.get("task") or (job.task if job else None),
-        reason=str(data["reason"]),
-        attempts=data.get("attempts"),
+        raw=raw,
+        id=_text(data.get("id")) or (job.id if job else ""),
+        task=_text(data.get("task")) or (job.task if job else None),
+        reason=_text(data["reason"]) or INVALID,
+        attempts=data["attempts"] if type(data.get("attempts")) is int else None,
         error=error_text,
         traceback=trace,
-        due=data.get("due"),
-        failed_at=data.get("failed_at"),
+        due=_text(data.get("due")),
+        failed_at=_text(data.get("failed_at")),
         job=job,
     )
+
+
+def _text(value: Any) -> str | None:
+    """A record's field as text, if it is text (an entry may have been written by anyone)."""
+    return value if isinstance(value, str) else None
 
 
 # --------------------------------------------------------------------------- operations
@@ -253,7 +326,12 @@ def _select(
         with admin.take_all(plan.failed_queue.name) as (channel, taken):
             chosen = []
             for message in taken:
-                entry = parse_failed(message.body, message.headers, message.message_id)
+                entry = parse_failed(
+                    message.body,
+                    message.headers,
+                    message.message_id,
+                    settings.signing_keys if settings.signing else None,
+                )
                 if wanted is None or entry.id in wanted:
                     chosen.append((message, entry))
             for message, entry in chosen:
@@ -268,10 +346,20 @@ def _select(
     return outcome
 
 
-def redrive(settings: DeferredSettings, ids: list[str] | None, delay_s: float = 0) -> Outcome:
+def redrive(
+    settings: DeferredSettings,
+    ids: list[str] | None,
+    delay_s: float = 0,
+    *,
+    resign: bool = False,
+) -> Outcome:
     """Defer the chosen failed jobs again, after ``delay_s``, as a fresh first attempt.
 
-    Each one is published (and confirmed) before its failed entry is acked.
+    Each one is published (and confirmed) before its failed entry is acked,
+    signed with the current key. An entry that is not signed with a key this
+    process accepts (reason ``bad_signature``, or a record anyone could have
+    put in the failed queue) is skipped unless ``resign``: signing it anew
+    vouches for whatever it holds.
     """
 
     # A bad delay is refused before any entry is touched. A number of
@@ -284,13 +372,32 @@ def redrive(settings: DeferredSettings, ids: list[str] | None, delay_s: float = 
     )
 
     def act(entry: FailedJob) -> str | None:
-        if entry.job is None:
+        untrusted = entry.reason == BAD_SIGNATURE or not entry.trusted
+        if untrusted and not resign:
+            return (
+                "it is not signed with a key this project accepts (reason "
+                f"{entry.reason}), so it may not be ours: read it (`list --json`), and "
+                "if it is to run, retry it with --resign"
+            )
+        found = entry.job
+        if found is None and untrusted and entry.raw is not None:
+            try:
+                found = Job.decode(entry.raw)
+            except BrokenMessage as exc:
+                return f"its body is not a job ({exc})"
+        if found is None:
             return "its body could not be read, so there is nothing to run"
-        if entry.job.queue not in settings.queues:
-            return f"its queue {entry.job.queue!r} is not in DEFERRED['QUEUES']"
+        if found.queue not in settings.queues:
+            return f"its queue {found.queue!r} is not in DEFERRED['QUEUES']"
+        if resign and untrusted:
+            logger.warning(
+                "job=%s task=%s re-driven with --resign: signed anew with this project's key.",
+                found.id,
+                found.task,
+            )
         now = utcnow()
         job = replace(
-            entry.job,
+            found,
             attempt=1,
             due=now + timedelta(milliseconds=wait_ms),
             first_due_at=None,

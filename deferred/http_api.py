@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from deferred.broker import Urls, as_urls, vhost_of
+from deferred.broker import Urls, as_urls, tls_context, vhost_of
 
 logger = logging.getLogger("deferred.http_api")
 
@@ -176,6 +176,19 @@ class ManagementAPI:
         self.timeout = timeout
         self.change_timeout = change_timeout
         self.vhost = vhost_of(self.broker_urls)
+        # An https:// API is verified with the broker URL's CA (and client
+        # certificate) when it has TLS options; else with the system's CAs.
+        try:
+            context = tls_context(self.broker_urls[0])
+        except (OSError, ValueError):
+            context = None
+        self._opener = (
+            urllib.request.build_opener(
+                _RefuseRedirects, urllib.request.HTTPSHandler(context=context)
+            )
+            if context is not None
+            else _NO_REDIRECTS
+        )
         #: The base URL that answered last (tried first next time).
         self.answered: str | None = None
 
@@ -230,7 +243,7 @@ class ManagementAPI:
             )
             timeout = max(self.timeout, self.change_timeout) if change else self.timeout
             try:
-                with _NO_REDIRECTS.open(request, timeout=timeout) as response:
+                with self._opener.open(request, timeout=timeout) as response:
                     raw = response.read()
             except urllib.error.HTTPError as exc:
                 if exc.code in (NOT_FOUND, METHOD_NOT_ALLOWED):

@@ -66,6 +66,16 @@ def _layout(due: datetime, rand74: int) -> str:
     return f"{(ms << 80) | (0x7 << 76) | (high << 64) | (0b10 << 62) | low:032x}"
 
 
+_ANY_ID_RE = re.compile(
+    r"^(?:[0-9a-f]{32}|[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})$"
+)
+
+
+def looks_like_id(value: object) -> bool:
+    """Whether ``value`` has the shape of a job id (this version's, or an earlier UUID)."""
+    return isinstance(value, str) and bool(_ANY_ID_RE.match(value))
+
+
 def due_of(job_id: str) -> datetime | None:
     """The first due time a job id carries (to the millisecond, rounded down);
     ``None`` for a string that is not an id this library makes."""
@@ -152,6 +162,8 @@ class Job:
             data = json.loads(body)
         except (UnicodeDecodeError, ValueError) as exc:
             raise BrokenMessage(f"the body is not JSON: {exc}", UNDECODABLE) from exc
+        except RecursionError:  # nested deeper than Python's stack
+            raise BrokenMessage("the body is JSON nested too deeply", UNDECODABLE) from None
         if not isinstance(data, dict):
             raise BrokenMessage("the body is not a JSON object", UNDECODABLE)
         return cls.from_dict(data)

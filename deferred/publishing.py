@@ -19,7 +19,7 @@ from typing import Any
 
 from django.db import connections, transaction
 
-from deferred import broker
+from deferred import broker, signing
 from deferred.conf import DeferredSettings, get_settings
 from deferred.delays import delay_ms
 from deferred.jobs import Job, new_job_id, utcnow
@@ -108,6 +108,7 @@ def submit(
     """
     settings = settings or get_settings()
     body = job.encode() if body is None else body
+    check_size(job, body, settings)
     commit = settings.on_commit if on_commit is None else on_commit
     _dispatch([_Prepared(job, wait_ms, body, commit)], settings, on_published)
 
@@ -150,7 +151,7 @@ def _prepare(
         queue=queue,
         created=now,
     )
-    body = job.encode()  # TypeError now, in the caller, if the arguments are not JSON
+    body = encode(job, settings)  # now, in the caller: arguments not JSON, or too big
     on_commit = resolved.options.on_commit
     return _Prepared(job, wait_ms, body, settings.on_commit if on_commit is None else on_commit)
 
@@ -213,8 +214,13 @@ def _check_topology(settings: DeferredSettings) -> None:
     key = (os.getpid(), settings)
     if key in _verified:
         return
-    broker.verify_topology(
-        settings.broker_urls, plan_topology(settings), timeout=settings.publish_timeout_s
+    # Only what defer() and cancel() publish to: a publisher's broker user
+    # may have no right on the rest (see deferred.permissions).
+    broker.verify_exchange(
+        settings.broker_urls,
+        plan_topology(settings),
+        plan_topology(settings).ingest_exchange,
+        timeout=settings.publish_timeout_s,
     )
     note_verified(settings)
 
@@ -235,7 +241,11 @@ def _publish_prepared(prepared: list[_Prepared], settings: DeferredSettings) -> 
     broker.publisher(settings.broker_urls, settings.publish_timeout_s).publish_many(
         [
             broker.Outgoing(
-                plan.ingest_exchange, plan.routing_key(p.wait_ms, p.job.queue), p.body, p.job.id
+                plan.ingest_exchange,
+                plan.routing_key(p.wait_ms, p.job.queue),
+                p.body,
+                p.job.id,
+                signing.sign(p.body, settings.signing_keys),
             )
             for p in prepared
         ]
@@ -313,4 +323,26 @@ def publish(
         plan.routing_key(wait_ms, job.queue),
         body,
         message_id=job.id,
+        headers=signing.sign(body, settings.signing_keys),
     )
+
+
+def encode(job: Job, settings: DeferredSettings) -> bytes:
+    """The job's body; ``TypeError`` for arguments JSON cannot carry, ``ValueError`` if too big.
+
+    A big body would sit in the broker's memory or disk for the whole delay:
+    pass an id and load the data when the task runs.
+    """
+    body = job.encode()
+    check_size(job, body, settings)
+    return body
+
+
+def check_size(job: Job, body: bytes, settings: DeferredSettings) -> None:
+    """``ValueError`` if ``body`` is over ``MAX_MESSAGE_BYTES``."""
+    if len(body) > settings.max_message_bytes:
+        raise ValueError(
+            f"The job of task {job.task!r} is {len(body):,} bytes once encoded, more than "
+            f"DEFERRED['MAX_MESSAGE_BYTES'] ({settings.max_message_bytes:,}): pass the id of "
+            "the data (a row, a file) rather than the data itself."
+        )

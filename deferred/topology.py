@@ -326,6 +326,10 @@ def plan_topology(settings: DeferredSettings) -> Plan:
     )
 
 
+#: The routing key of a cancel, on the ingest exchange.
+CANCEL_ROUTING_KEY = "cancel"
+
+
 def build_plan(
     *,
     prefix: str,
@@ -418,6 +422,10 @@ def build_plan(
                 + ["*"] * level
             )
             bindings.append(Binding(level_exchange(above), queue_name, pattern(words)))
+    # Cancels go through the ingest exchange too (one word: no delay pattern,
+    # which has levels + 1 words, matches it), so a user that may publish
+    # there may cancel, and needs no right on the default exchange.
+    bindings.append(Binding(ingest, f"{prefix}.cancels", CANCEL_ROUTING_KEY))
     # No digit left: to the ready queue named by the last word.
     ready_queues = {
         name: Queue(

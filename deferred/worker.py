@@ -32,7 +32,7 @@ from typing import Any
 
 from django.db import close_old_connections
 
-from deferred import failures
+from deferred import failures, intake, signing
 from deferred.broker import (
     BrokerError,
     BrokerUnavailable,
@@ -46,7 +46,7 @@ from deferred.cancels import CancelWatch
 from deferred.cluster import management_api
 from deferred.conf import DeferredSettings, get_settings
 from deferred.delays import capped_delay_ms
-from deferred.jobs import BrokenMessage, Job, utcnow
+from deferred.jobs import Job, utcnow
 from deferred.publishing import note_verified, publish
 from deferred.retries import Decision
 from deferred.runnable import resolve
@@ -313,21 +313,9 @@ class Worker:
         Raises ``BrokerError`` only when the outcome (a retry, a failure
         record) could not be made durable: the message must then not be acked.
         """
-        try:
-            job = Job.decode(delivery.body)
-        except BrokenMessage as exc:
-            record = failures.failure_record(
-                reason=exc.reason, job=None, body=delivery.body, detail=str(exc)
-            )
-            failures.store_failure(self.settings, record)
-            logger.error(
-                "job=%s queue=%s outcome=failed reason=%s detail=%s",
-                record["id"],
-                delivery.queue,
-                exc.reason,
-                exc,
-            )
-            return "failed"
+        job = intake.read(delivery.body, delivery.headers, self.settings)
+        if isinstance(job, intake.Refused):
+            return self._refuse(delivery, job)
 
         # Read every cancel confirmed before the job came due first: a cancel
         # issued a moment before must win (clocks agreeing, as for "never early").
@@ -408,6 +396,31 @@ class Worker:
             "failed",
             duration_ms,
             f"reason={decision.reason} error={type(error).__name__}: {failures.describe(error)}",
+        )
+        return "failed"
+
+    def _refuse(self, delivery: Delivery, refused: intake.Refused) -> str:
+        """Send a message that is not a job to run to the failed queue, as it came.
+
+        Logged with its message id and why: a body that failed the size or
+        signature check was not read, and its content (a forged job's
+        arguments could be anything) is not shown.
+        """
+        record = failures.failure_record(
+            reason=refused.reason,
+            job=None,
+            body=delivery.body,
+            detail=refused.detail,
+            message_id=delivery.message_id,
+            keep_body=refused.keep_body,
+        )
+        failures.store_failure(self.settings, record)
+        logger.error(
+            "job=%s queue=%s outcome=failed reason=%s detail=%s",
+            record["id"],
+            delivery.queue,
+            refused.reason,
+            refused.detail,
         )
         return "failed"
 
@@ -511,7 +524,11 @@ class Worker:
             delivery.queue,
             delivery.body,
             message_id=job.id,
-            headers={DELIVERIES_HEADER: count},
+            # The job's own signature goes with it: the body is the same.
+            headers={
+                **{k: v for k, v in delivery.headers.items() if k == signing.HEADER},
+                DELIVERIES_HEADER: count,
+            },
         )
         logger.warning(
             "job=%s task=%s was redelivered (%d unacked deliveries so far); requeued with "

@@ -224,3 +224,29 @@ def rabbitmqctl(*args: str) -> str:
     return subprocess.run(
         ["rabbitmqctl", *args], check=True, capture_output=True, text=True, timeout=60
     ).stdout
+
+
+def signed(body: bytes) -> dict:
+    """The headers deferred would sign ``body`` with (for messages a test makes by hand)."""
+    from deferred import signing
+    from deferred.conf import get_settings
+
+    return signing.sign(body, get_settings().signing_keys)
+
+
+def record_job(path: str, label: str, **changes):
+    """A job of ``tests.testapp.tasks.record``, due now, built by hand (not deferred)."""
+    from deferred.jobs import Job, new_job_id, utcnow
+
+    now = utcnow()
+    fields = {
+        "id": new_job_id(now),
+        "task": "tests.testapp.tasks.record",
+        "args": (path, label),
+        "kwargs": {},
+        "due": now,
+        "queue": "default",
+        "created": now,
+        **changes,
+    }
+    return Job(**fields)

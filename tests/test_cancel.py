@@ -292,14 +292,17 @@ def test_a_worker_declares_a_missing_cancels_stream_and_runs_jobs(
 
 
 def test_a_stream_deleted_under_a_running_worker_is_declared_again(
-    own_topology, run_worker, records, raw_channel
+    own_topology, run_worker, records, raw_channel, caplog
 ):
     worker = run_worker()
     assert worker.cancels.connected.wait(10)
     # When the stream disappears under the reader (its consumer is cancelled),
     raw_channel.queue_delete(own_topology.cancels_queue.name)
-    # the reader declares it again (DECLARE is on) and reads it from its start:
+    # the reader declares it again (DECLARE is on) and reads it from its start
+    # (connected again: its marker came back through the ingest exchange's binding):
     assert wait_for(lambda: _exists(own_topology.cancels_queue.name), 10)
+    reads = lambda: [m for m in caplog.messages if " the cancels: " in m]  # noqa: E731
+    assert wait_for(lambda: len(reads()) == 2, 10)
     gone = defer(record, 0.5, records, "gone")
     defer(record, 0.5, records, "kept")
     cancel(gone)
@@ -332,6 +335,10 @@ def test_while_the_cancels_cannot_be_read_due_jobs_wait_and_are_never_counted_as
 
         with admin_channel(get_settings().broker_urls) as admin:
             admin.declare_queue(own_topology.cancels_queue)
+            # (and its binding: cancels and markers come through the ingest exchange)
+            admin.channel.queue_bind(
+                own_topology.cancels_queue.name, own_topology.ingest_exchange, "cancel"
+            )
         assert wait_for(lambda: labels(records) == ["waited"], 20)
     assert depth(raw_channel, own_topology.failed_queue.name) == 0
 

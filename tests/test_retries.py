@@ -13,7 +13,7 @@ import pytest
 from django.core.management import CommandError, call_command
 
 from deferred import defer
-from tests.conftest import depth, wait_for
+from tests.conftest import depth, signed, wait_for
 from tests.testapp.tasks import (
     always_fails,
     asks_retry,
@@ -251,7 +251,8 @@ def test_redrive_publishes_a_fresh_message_without_dead_letter_headers(clean, ra
         "",
         clean.failed_queue.name,
         job.encode(),
-        pika.BasicProperties(headers=death, delivery_mode=2),
+        # RabbitMQ keeps the job's signature header when it dead-letters it.
+        pika.BasicProperties(headers={**death, **signed(job.encode())}, delivery_mode=2),
     )
     (entry,) = failed_list()
     assert entry["reason"] == "delivery_limit"

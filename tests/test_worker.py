@@ -12,7 +12,7 @@ from django.test import override_settings
 
 from deferred import defer
 from deferred.jobs import Job, new_job_id, utcnow
-from tests.conftest import depth, rabbitmqctl, wait_for
+from tests.conftest import depth, rabbitmqctl, signed, wait_for
 from tests.testapp.tasks import explode, read_records, record, sleepy
 
 pytestmark = pytest.mark.usefixtures("clean")
@@ -48,7 +48,10 @@ def test_a_raising_task_goes_to_the_failed_queue_with_its_traceback(
 
 
 def publish_raw(channel, queue: str, body: bytes) -> None:
-    channel.basic_publish("", queue, body, pika.BasicProperties(delivery_mode=2))
+    """Publish ``body`` as deferred would (signed), but straight into ``queue``."""
+    channel.basic_publish(
+        "", queue, body, pika.BasicProperties(delivery_mode=2, headers=signed(body))
+    )
 
 
 def test_unknown_task_and_garbage_land_in_the_failed_queue(clean, raw_channel, run_worker, records):

@@ -42,6 +42,12 @@ class Command(BaseCommand):
             "(default: the vhost of BROKER_URL).",
         )
         parser.add_argument(
+            "--users",
+            action="store_true",
+            help="With --format definitions: add the publisher, worker and admin users and "
+            "their permissions (no passwords; set them with rabbitmqctl change_password).",
+        )
+        parser.add_argument(
             "--check",
             action="store_true",
             help="Declare nothing; fail unless every exchange and queue exists.",
@@ -62,12 +68,20 @@ class Command(BaseCommand):
         as_json = fmt == "json"
         if options["vhost"] is not None and fmt not in IAC_FORMATS:
             raise CommandError("--vhost only applies to --format definitions or terraform.")
+        if options["users"] and fmt != "definitions":
+            raise CommandError("--users only applies to --format definitions.")
         if fmt in IAC_FORMATS:
             if options["list"] or options["remove_empty"] or options["check"]:
                 raise CommandError(f"--format {fmt} only prints; it takes no other action.")
             vhost = options["vhost"] or vhost_of(settings.broker_urls)
             if fmt == "definitions":
-                self._emit(export.definitions(plan, vhost=vhost), True)
+                self._emit(export.definitions(plan, vhost=vhost, users=options["users"]), True)
+                if options["users"]:
+                    self.stderr.write(
+                        "The users have no password: import this once, then set one for each "
+                        "with `rabbitmqctl change_password NAME`. Import later changes without "
+                        "--users: RabbitMQ clears the password of a user imported without one."
+                    )
             else:
                 self.stdout.write(export.terraform(plan, vhost=vhost), ending="")
             return

@@ -15,7 +15,7 @@ from deferred.management.arguments import command_settings, seconds
 
 class Command(BaseCommand):
     help = (
-        "Failed jobs: `list [--json]`, `retry ID ... | --all [--delay SECONDS]`, "
+        "Failed jobs: `list [--json]`, `retry ID ... | --all [--delay SECONDS] [--resign]`, "
         "`purge ID ... | --all [--yes]`."
     )
 
@@ -27,6 +27,15 @@ class Command(BaseCommand):
         retry.add_argument("ids", nargs="*", metavar="ID")
         retry.add_argument("--all", action="store_true", help="Every failed job.")
         retry.add_argument("--delay", type=seconds(0), default=0.0, help="Seconds from now.")
+        retry.add_argument(
+            "--resign",
+            action="store_true",
+            help=(
+                "Also re-drive entries that are not signed with this project's key "
+                "(reason bad_signature), signing them anew: only after reading them "
+                "(`list --json`), since this vouches for whatever they hold."
+            ),
+        )
         purge = actions.add_parser("purge", help="Delete failed jobs for good.")
         purge.add_argument("ids", nargs="*", metavar="ID")
         purge.add_argument("--all", action="store_true", help="Every failed job.")
@@ -41,7 +50,9 @@ class Command(BaseCommand):
                 return
             ids = self._ids(options)
             if action == "retry":
-                outcome = failures.redrive(settings, ids, options["delay"])
+                outcome = failures.redrive(
+                    settings, ids, options["delay"], resign=options["resign"]
+                )
                 verb = "re-queued"
             else:
                 if not options["yes"]:
