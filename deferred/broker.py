@@ -189,7 +189,8 @@ def parameters(url: str) -> pika.URLParameters:
     """
     rest, ssl_value = _split_ssl_options(url)
     params = pika.URLParameters(rest)
-    if ssl_value is not None and params.ssl_options is not None:
+    if ssl_value is not None:
+        # As pika does: ssl_options turns TLS on, whatever the scheme says.
         params.ssl_options = _ssl_options(ssl_value)
     return params
 
@@ -199,8 +200,8 @@ def tls_context(url: str) -> ssl.SSLContext | None:
 
     The management API is asked with it too: the same CA, the same client certificate.
     """
-    rest, ssl_value = _split_ssl_options(url)
-    if ssl_value is None or not rest.startswith("amqps://"):
+    ssl_value = _split_ssl_options(url)[1]
+    if ssl_value is None:
         return None
     context: ssl.SSLContext = _ssl_options(ssl_value).context
     return context
@@ -897,6 +898,13 @@ class Admin:
             ) from exc
         raise BrokerError(f"Cannot declare queue {queue.name!r}: {exc.reply_text}") from exc
 
+    def declare_cancels(self, plan: Plan) -> None:
+        """Declare ``plan``'s cancels stream and its binding from the ingest exchange."""
+        self.declare_queue(plan.cancels_queue)
+        for binding in plan.bindings:
+            if binding.destination == plan.cancels_queue.name:
+                self.channel.queue_bind(binding.destination, binding.source, binding.routing_key)
+
     def declare(self, plan: Plan) -> DeclareReport:
         """Create whatever of ``plan`` is missing; idempotent."""
         report = DeclareReport()
@@ -1299,8 +1307,11 @@ class Consumer:
 
 
 #: How long a close may wait for the broker's answer before the socket is dropped.
-def peek(urls: Urls, queue: str, *, timeout: float | None = None) -> list[bytes]:
-    """Every message of ``queue``, handed back at once: a read that changes nothing.
+def peek(
+    urls: Urls, queue: str, *, timeout: float | None = None
+) -> list[tuple[bytes, dict[str, Any]]]:
+    """Every message of ``queue`` (body, headers), handed back at once: a read that changes
+    nothing.
 
     ``TopologyNotDeclared`` if the queue does not exist.
     """
@@ -1308,7 +1319,7 @@ def peek(urls: Urls, queue: str, *, timeout: float | None = None) -> list[bytes]
         if not admin.queue_exists(queue):
             raise TopologyNotDeclared(f"Queue {queue!r} does not exist. {_NOT_DECLARED_HINT}")
         with admin.take_all(queue) as (_channel, taken):
-            return [message.body for message in taken]
+            return [(message.body, message.headers) for message in taken]
 
 
 # --------------------------------------------------------------------------- streams
@@ -1562,9 +1573,11 @@ class Lease:
             self._connection.process_data_events(time_limit=seconds)
         return self._held
 
-    def read_records(self) -> tuple[list[bytes], Callable[[bool], None]]:
-        """Every message of the record queue, held unacked, and ``done(ack)``, which
-        acks them (``True``) or hands them back, and ends the read.
+    def read_records(
+        self,
+    ) -> tuple[list[tuple[bytes, dict[str, Any]]], Callable[[bool], None]]:
+        """Every message of the record queue (body, headers), held unacked, and
+        ``done(ack)``, which acks them (``True``) or hands them back, and ends the read.
 
         A crash before ``done`` hands them back too, so nothing is lost
         between reading the records and writing their successor.
@@ -1574,10 +1587,10 @@ class Lease:
             channel = self._connection.channel()
             bodies, last = [], 0
             while True:
-                method, _props, body = channel.basic_get(self.record_queue)
+                method, props, body = channel.basic_get(self.record_queue)
                 if method is None:
                     break
-                bodies.append(body)
+                bodies.append((body, dict(props.headers or {})))
                 last = method.delivery_tag
 
         def done(ack: bool) -> None:
@@ -1588,7 +1601,7 @@ class Lease:
 
         return bodies, done
 
-    def write_record(self, body: bytes) -> None:
+    def write_record(self, body: bytes, headers: dict[str, Any] | None = None) -> None:
         """Publish a record to the record queue and wait for its confirm."""
         assert self._confirm is not None
         with self._guard():
@@ -1596,7 +1609,11 @@ class Lease:
                 "",
                 self.record_queue,
                 body,
-                pika.BasicProperties(delivery_mode=PERSISTENT, content_type="application/json"),
+                pika.BasicProperties(
+                    delivery_mode=PERSISTENT,
+                    content_type="application/json",
+                    headers=headers or None,
+                ),
                 mandatory=True,
             )
 
@@ -1615,9 +1632,15 @@ class Lease:
             _close_quietly(connection)
 
 
-def send_record(urls: Urls, queue: str, body: bytes, timeout: float = PUBLISH_TIMEOUT_S) -> None:
+def send_record(
+    urls: Urls,
+    queue: str,
+    body: bytes,
+    timeout: float = PUBLISH_TIMEOUT_S,
+    headers: dict[str, Any] | None = None,
+) -> None:
     """Publish one record (a schedule command) to ``queue`` with a confirm."""
-    publisher(urls, timeout).publish("", queue, body, message_id=uuid.uuid4().hex)
+    publisher(urls, timeout).publish("", queue, body, message_id=uuid.uuid4().hex, headers=headers)
 
 
 CLOSE_TIMEOUT_S = 2.0

@@ -114,6 +114,28 @@ def cancel_many(job_ids: Iterable[str]) -> None:
         sender.publish_many(messages)
 
 
+def cancel_route_missing(settings: DeferredSettings) -> str | None:
+    """What is missing for ``cancel()`` to reach the stream, or ``None``.
+
+    The binding from the ingest exchange cannot be inspected over AMQP: a
+    marker (which cancels nothing) is sent the way a cancel goes, ``mandatory``.
+    A topology declared by a version before cancels went through the ingest
+    exchange lacks it until ``declare_delay_topology`` runs again.
+    """
+    plan = plan_topology(settings)
+    token = uuid.uuid4().hex
+    try:
+        broker.publisher(settings.broker_urls, settings.publish_timeout_s).publish(
+            plan.ingest_exchange, CANCEL_ROUTING_KEY, encode_marker(token), message_id=token
+        )
+    except broker.TopologyNotDeclared:
+        return (
+            f"binding {plan.ingest_exchange} -> {plan.cancels_queue.name} "
+            f"(routing key {CANCEL_ROUTING_KEY!r}), which cancel() needs"
+        )
+    return None
+
+
 def _checked(job_id: object) -> str:
     if not isinstance(job_id, str):
         raise TypeError(f"A job id is a string (what defer() returned), got {job_id!r}.")
@@ -390,11 +412,7 @@ class CancelWatch:
             with broker.admin_channel(
                 self.settings.broker_urls, timeout=self.settings.publish_timeout_s
             ) as admin:
-                plan = plan_topology(self.settings)
-                admin.declare_queue(plan.cancels_queue)
-                admin.channel.queue_bind(
-                    plan.cancels_queue.name, plan.ingest_exchange, CANCEL_ROUTING_KEY
-                )
+                admin.declare_cancels(plan_topology(self.settings))
         except broker.BrokerError as exc:
             logger.error("Could not declare the cancels stream %s: %s", self.queue, exc)
             return False
@@ -416,11 +434,11 @@ class CancelWatch:
         token = uuid.uuid4().hex
         self._awaited = token
         sent = time.time()
+        # Straight into the stream (the worker may use the default exchange):
+        # reading the cancels does not depend on the ingest exchange's binding,
+        # which a topology declared by an earlier version lacks.
         broker.publisher(self.settings.broker_urls, self.settings.publish_timeout_s).publish(
-            plan_topology(self.settings).ingest_exchange,
-            CANCEL_ROUTING_KEY,
-            encode_marker(token),
-            message_id=token,
+            "", self.queue, encode_marker(token), message_id=token
         )
         deadline = time.monotonic() + MARKER_TIMEOUT_S
         while self._awaited is not None:

@@ -109,7 +109,8 @@ QUEUE_TYPES = ("classic", "quorum")
 MAX_PUBLISH_TIMEOUT_S = 300.0
 MAX_RADIX = 64
 #: The bounds of MAX_MESSAGE_BYTES: a job with a few arguments needs well
-#: under 1 KiB; RabbitMQ's own limit (max_message_size) is 128 MiB by default.
+#: under 1 KiB; RabbitMQ's own limit (max_message_size) is 128 MiB by default
+#: on 3.x, 16 MiB on 4.x.
 MIN_MESSAGE_BYTES = 1024
 MAX_MESSAGE_BYTES = 128 * 1024 * 1024
 
@@ -207,22 +208,42 @@ def _broker_urls(value: Any) -> tuple[str, ...]:
     if not isinstance(urls, list | tuple) or not urls:
         raise ImproperlyConfigured(
             "DEFERRED['BROKER_URL'] must be an amqp:// or amqps:// URL, or a non-empty list "
-            f"of them (one per cluster node); got {value!r}."
+            f"of them (one per cluster node); got {_masked(value)}."
         )
     for url in urls:
         if not isinstance(url, str) or not url.startswith(("amqp://", "amqps://")):
             raise ImproperlyConfigured(
-                f"DEFERRED['BROKER_URL'] must hold amqp:// or amqps:// URLs, got {url!r}."
+                f"DEFERRED['BROKER_URL'] must hold amqp:// or amqps:// URLs, got {_masked(url)}."
             )
     if len(set(urls)) != len(urls):
-        raise ImproperlyConfigured(f"DEFERRED['BROKER_URL'] lists a URL twice: {urls!r}.")
+        raise ImproperlyConfigured(
+            f"DEFERRED['BROKER_URL'] lists a URL twice: {_masked(list(urls))}."
+        )
     vhosts = {urllib.parse.unquote(urllib.parse.urlsplit(url).path[1:]) or "/" for url in urls}
     if len(vhosts) > 1:
         raise ImproperlyConfigured(
             "DEFERRED['BROKER_URL']: every URL must name the same virtual host (they are "
-            f"nodes of one cluster); got {urls!r}."
+            f"nodes of one cluster); got {_masked(list(urls))}."
         )
     return tuple(urls)
+
+
+def _masked(value: Any) -> str:
+    """``repr(value)`` with the password of any URL in it replaced: for error messages."""
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_masked(v) for v in value) + "]"
+    if not isinstance(value, str):
+        return repr(value)
+    try:
+        parts = urllib.parse.urlsplit(value)
+        password = parts.password
+    except ValueError:
+        return "<a URL that cannot be parsed>"
+    if password is None:
+        return repr(value)
+    netloc = parts.netloc.rsplit("@", 1)
+    user = netloc[0].split(":", 1)[0]
+    return repr(urllib.parse.urlunsplit(parts._replace(netloc=f"{user}:***@{netloc[1]}")))
 
 
 def _management_urls(value: Any, broker_urls: tuple[str, ...]) -> tuple[str, ...]:
@@ -255,7 +276,7 @@ def _management_urls(value: Any, broker_urls: tuple[str, ...]) -> tuple[str, ...
         raise ImproperlyConfigured(
             "DEFERRED['MANAGEMENT_URL'] must be an http:// or https:// URL or a list of them, "
             f"None (ask each broker host on port {MANAGEMENT_PORT}) or False (never ask); "
-            f"got {value!r}."
+            f"got {_masked(value)}."
         )
     return tuple(urls)
 
@@ -397,7 +418,8 @@ def _build(raw: Any) -> DeferredSettings:
     ):
         raise ImproperlyConfigured(
             f"DEFERRED['MAX_MESSAGE_BYTES'] must be a whole number of bytes from "
-            f"{MIN_MESSAGE_BYTES} to {MAX_MESSAGE_BYTES} (RabbitMQ's default limit); "
+            f"{MIN_MESSAGE_BYTES} to {MAX_MESSAGE_BYTES} (RabbitMQ 3.x's default limit; "
+            "4.x refuses more than 16 MiB by default); "
             f"got {max_message_bytes!r}."
         )
     tls = _tls(values)

@@ -50,8 +50,16 @@ class Permissions:
 def for_role(role: str, prefix: str) -> Permissions:
     """The permissions of ``role`` (``publisher``, ``worker`` or ``admin``) under ``prefix``."""
     p = re.escape(prefix)
-    ingest = rf"{p}\.delay\..+\.ingest"
-    everything = rf"{p}\..+"
+    # The names topology.py gives, and nothing else: a regex as loose as
+    # "PREFIX\..+" would also match the names of a prefix nested in this one
+    # ("app" and "app.x"). Any topology id: RADIX, RESOLUTION, MAX_DELAY and
+    # QUEUE_TYPE change it.
+    topology = r"delay\.r\d+\.\d+ms\.L\d+\.(classic|quorum)"
+    ingest = rf"{p}\.{topology}\.ingest"
+    everything = (
+        rf"{p}\.({topology}\.(ingest|after\.L\d+|L\d+\.d\d+)"
+        r"|ready\.[A-Za-z0-9_-]+|failed|topologies|scheduler|schedules|cancels)"
+    )
     default = re.escape(DEFAULT_EXCHANGE)
     if role == "publisher":
         return Permissions(configure=NOTHING, write=f"^{ingest}$", read=NOTHING)

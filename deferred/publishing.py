@@ -315,7 +315,12 @@ def publish(
 ) -> None:
     """Publish ``job`` to wait ``wait_ms`` (already validated) in the current topology."""
     settings = settings or get_settings()
-    body = job.encode() if body is None else body
+    if body is None:
+        # A retry carries one more worker name: it may outgrow the limit, and
+        # the worker would then refuse it unread. ValueError here instead:
+        # the worker records the whole job as failed, to be re-driven.
+        body = job.encode()
+        check_size(job, body, settings)
     _check_topology(settings)
     plan = plan_topology(settings)
     broker.publisher(settings.broker_urls, settings.publish_timeout_s).publish(

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from deferred import broker
+from deferred import broker, signing
 from deferred.conf import DeferredSettings
 from deferred.jobs import Job, utcnow
 from deferred.schedule import MISFIRE_ALL_CAP, Schedule, occurrence_id
@@ -138,6 +138,28 @@ class Command:
 
 
 COMMANDS = ("pause", "resume", "run")
+
+
+def signed_bodies(
+    messages: list[tuple[bytes, dict[str, Any]]], settings: DeferredSettings
+) -> list[bytes]:
+    """The bodies of the record queue's messages signed with one of our keys.
+
+    A record or command anyone could write would pause, resume or run a
+    schedule: with SIGNING on, the others are left out (and logged), and the
+    scheduler's next record replaces them.
+    """
+    if not settings.signing:
+        return [body for body, _headers in messages]
+    kept = []
+    for body, headers in messages:
+        try:
+            signing.verify(body, headers, settings.signing_keys)
+        except signing.BadSignature as exc:
+            logger.error("Ignoring a schedule record or command: %s.", exc)
+            continue
+        kept.append(body)
+    return kept
 
 
 def read(bodies: list[bytes]) -> tuple[Records, list[Command]]:
@@ -348,8 +370,8 @@ class Scheduler:
         """Read the record, defer what is due, write the next record."""
         from deferred.publishing import publish
 
-        bodies, done = self.lease.read_records()
-        records, commands = read(bodies)
+        messages, done = self.lease.read_records()
+        records, commands = read(signed_bodies(messages, self.settings))
         if self._records is not None and self._records.seq > records.seq:
             records = self._records
         records.leader = self.worker_name
@@ -359,9 +381,12 @@ class Scheduler:
             job = occurrence_job(occurrence, self.settings)
             wait_ms = max(0, int((job.due - utcnow()).total_seconds() * 1000))
             publish(job, wait_ms, settings=self.settings)
-        write = changed or len(bodies) != 1
+        # One record and nothing else is the steady state: anything more (commands,
+        # an older record, a message not signed) is replaced by the next record.
+        write = changed or len(messages) != 1
         if write:
-            self.lease.write_record(following.encode())
+            body = following.encode()
+            self.lease.write_record(body, signing.sign(body, self.settings.signing_keys))
             self._records = following
         # Acked only once their successor is confirmed; else handed back as they were.
         done(write)
@@ -422,10 +447,10 @@ class Overview:
 def overview(settings: DeferredSettings, now: datetime | None = None) -> Overview:
     """Every schedule of this code base, with what the broker's record says of it."""
     topology = plan_topology(settings)
-    bodies = broker.peek(
+    messages = broker.peek(
         settings.broker_urls, topology.schedules_queue.name, timeout=settings.publish_timeout_s
     )
-    return overview_of(bodies, settings, now or utcnow())
+    return overview_of(signed_bodies(messages, settings), settings, now or utcnow())
 
 
 def overview_of(bodies: list[bytes], settings: DeferredSettings, now: datetime) -> Overview:
@@ -468,10 +493,12 @@ def send_command(settings: DeferredSettings, action: str, name: str) -> Command:
         raise LookupError(f"No schedule named {name!r} (schedules: {shown}).")
     command = Command(action, name, uuid.uuid4().hex, utcnow())
     topology = plan_topology(settings)
+    body = command.encode()
     broker.send_record(
         settings.broker_urls,
         topology.schedules_queue.name,
-        command.encode(),
+        body,
         settings.publish_timeout_s,
+        signing.sign(body, settings.signing_keys),
     )
     return command

@@ -42,7 +42,7 @@ from deferred.broker import (
     publisher,
     verify_topology,
 )
-from deferred.cancels import CancelWatch
+from deferred.cancels import CancelWatch, cancel_route_missing
 from deferred.cluster import management_api
 from deferred.conf import DeferredSettings, get_settings
 from deferred.delays import capped_delay_ms
@@ -181,6 +181,7 @@ class Worker:
                         verify_topology(self.settings.broker_urls, self.plan)
                         # Its retries and reschedules need not check again.
                         note_verified(self.settings)
+                        self._check_cancel_route()
                     self.consumer.start(self._on_delivery)
                     self.consuming.set()
                     logger.info(
@@ -399,6 +400,21 @@ class Worker:
         )
         return "failed"
 
+    def _check_cancel_route(self) -> None:
+        """Log, once per connection, a topology whose cancels cannot be routed.
+
+        Jobs still run (the worker reads the stream directly); ``cancel()``
+        raises until the infrastructure applies this version's definitions.
+        """
+        missing = cancel_route_missing(self.settings)
+        if missing:
+            logger.error(
+                "The topology lacks the %s: cancel() raises TopologyNotDeclared until the "
+                "definitions of this version are applied (declare_delay_topology --format "
+                "definitions, or run declare_delay_topology).",
+                missing,
+            )
+
     def _refuse(self, delivery: Delivery, refused: intake.Refused) -> str:
         """Send a message that is not a job to run to the failed queue, as it came.
 
@@ -510,7 +526,9 @@ class Worker:
         ack this one; past DELIVERY_LIMIT the job goes to the failed queue, so
         a job that kills every worker cannot loop forever.
         """
-        count = int(delivery.headers.get(DELIVERIES_HEADER, 0)) + 1
+        seen = delivery.headers.get(DELIVERIES_HEADER, 0)
+        # Anyone may set a header: a value that is not a count counts as none.
+        count = (seen if type(seen) is int and seen >= 0 else 0) + 1
         if count > self.settings.delivery_limit:
             error = RuntimeError(
                 f"delivered {count} times without an ack: it may crash the worker "

@@ -334,11 +334,8 @@ def test_while_the_cancels_cannot_be_read_due_jobs_wait_and_are_never_counted_as
         from deferred.broker import admin_channel
 
         with admin_channel(get_settings().broker_urls) as admin:
-            admin.declare_queue(own_topology.cancels_queue)
-            # (and its binding: cancels and markers come through the ingest exchange)
-            admin.channel.queue_bind(
-                own_topology.cancels_queue.name, own_topology.ingest_exchange, "cancel"
-            )
+            # The stream and its binding: cancels and markers come through the ingest exchange.
+            admin.declare_cancels(own_topology)
         assert wait_for(lambda: labels(records) == ["waited"], 20)
     assert depth(raw_channel, own_topology.failed_queue.name) == 0
 

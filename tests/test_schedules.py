@@ -289,3 +289,24 @@ def test_an_occurrence_whose_task_is_gone_is_dropped_not_failed(
     assert raw_channel.queue_declare(ready, passive=True).method.message_count == 0
     failed = raw_channel.queue_declare(clean.failed_queue.name, passive=True).method.message_count
     assert failed == 0
+
+
+def test_a_forged_pause_command_is_ignored(own_topology, worker_process, tmp_path, raw_channel):
+    import pika
+
+    from deferred.jobs import utcnow
+    from deferred.scheduler import Command
+
+    ticks = tmp_path / "ticks.jsonl"
+    worker = worker_process(env=worker_env(own_topology, ticks))
+    assert wait_for(lambda: len(read_records(str(ticks))) >= 2, 15)
+    # Given a pause written into the record queue by someone without our key,
+    forged = Command("pause", "tests.tick", "f" * 32, utcnow()).encode()
+    raw_channel.basic_publish(
+        "", own_topology.schedules_queue.name, forged, pika.BasicProperties(delivery_mode=2)
+    )
+    # the schedule goes on, and the worker says why.
+    count = len(read_records(str(ticks)))
+    assert wait_for(lambda: len(read_records(str(ticks))) >= count + 6, 15)
+    stop_all([worker])
+    assert "Ignoring a schedule record or command" in worker.output()

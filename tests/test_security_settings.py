@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from django.conf import settings as django_settings
 from django.core.checks import run_checks
@@ -132,3 +134,72 @@ def test_deploy_checks_warn_about_guest_and_clear_text_off_this_host():
     assert not {"deferred.W002", "deferred.W003"} & _ids(include_deployment_checks=True)
     with deferred_settings(BROKER_URL="amqp://guest:guest@rabbit.example:5672/%2F"):
         assert not {"deferred.W002", "deferred.W003"} & _ids()
+
+
+@pytest.mark.parametrize("prefix", ["deferred", "app.v2"])
+def test_the_role_regexes_match_exactly_the_names_they_should(prefix):
+    import re
+
+    from deferred import permissions
+    from deferred.topology import build_plan
+
+    plans = [
+        build_plan(
+            prefix=prefix,
+            radix=radix,
+            resolution_ms=resolution,
+            max_delay_ms=86_400_000 * 400,
+            queue_type=kind,
+            queues=("default", "mail_out-2"),
+        )
+        for radix, resolution, kind in ((16, 1, "classic"), (2, 1000, "quorum"))
+    ]
+    ours = {e.name for p in plans for e in p.all_exchanges} | {
+        q.name for p in plans for q in p.all_queues
+    }
+    nested = {name.replace(f"{prefix}.", f"{prefix}.staging.", 1) for name in ours}
+    ingest = {p.ingest_exchange for p in plans}
+    publisher, worker, admin = (permissions.for_role(r, prefix) for r in permissions.ROLES)
+
+    def matching(regex: str, names: set[str]) -> set[str]:
+        return {n for n in names if re.match(regex, n)}
+
+    assert matching(publisher.write, ours | nested) == ingest
+    assert matching(publisher.read, ours) == matching(publisher.configure, ours) == set()
+    assert matching(worker.write, ours | {"amq.default"}) == ingest | {"amq.default"}
+    assert matching(worker.read, ours | nested) == ours
+    assert matching(worker.configure, ours) == set()
+    assert matching(admin.configure, ours | nested) == ours
+    assert matching(admin.write, ours | nested | {"amq.default"}) == ours | {"amq.default"}
+
+
+def test_a_record_signed_by_a_worker_is_trusted_and_one_written_by_hand_is_not():
+    from deferred import failures
+    from tests.conftest import record_job
+
+    job = record_job("/tmp/x", "y")
+    body = json.dumps(failures.failure_record(reason="task_error", job=job, body=job.encode()))
+    keys = get_settings().signing_keys
+    headers = signing.sign(body.encode(), keys)
+    assert failures.parse_failed(body.encode(), headers, job.id, keys).trusted
+    assert not failures.parse_failed(body.encode(), {}, job.id, keys).trusted
+    assert not failures.parse_failed(body.encode() + b" ", headers, job.id, keys).trusted
+    # Not checked (signing off): trusted as before.
+    assert failures.parse_failed(body.encode(), {}, job.id, None).trusted
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        ["amqp://u:Pw-in-error-1@h1:5672/%2F", "amqp://u:Pw-in-error-1@h1:5672/%2F"],
+        ["amqp://u:Pw-in-error-1@h1:5672/a", "amqp://u:Pw-in-error-1@h2:5672/b"],
+        "http://u:Pw-in-error-1@h1:5672/%2F",
+    ],
+)
+def test_setting_errors_never_show_a_password(value):
+    with deferred_settings(BROKER_URL=value), pytest.raises(ImproperlyConfigured) as caught:
+        get_settings()
+    assert "Pw-in-error-1" not in str(caught.value) and "u:***@h1" in str(caught.value)
+    with deferred_settings(MANAGEMENT_URL=["ftp://u:Pw-in-error-1@h1/"]):
+        messages = [str(m) for m in run_checks()]
+    assert messages and not any("Pw-in-error-1" in m for m in messages)

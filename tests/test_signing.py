@@ -9,7 +9,7 @@ from io import StringIO
 import pika
 import pytest
 from django.conf import settings as django_settings
-from django.core.management import call_command
+from django.core.management import CommandError, call_command
 from django.test import override_settings
 
 from deferred import cancel, defer, failures, signing
@@ -224,3 +224,49 @@ def test_five_thousand_random_bodies_among_five_hundred_jobs(
     reasons = {e.reason for e in failed()}
     assert reasons == {"bad_signature", "undecodable", "invalid"}
     assert worker.consuming.is_set() and worker.outcomes["failed"] == 5000
+
+
+def test_a_redelivered_job_with_a_bad_count_header_still_runs_once(
+    clean, raw_channel, run_worker, records, broker_url
+):
+    # The deliveries count is a header anyone may set: a value that is no count
+    # must not make the worker hand the job back for ever.
+    job = a_job(records, "counted")
+    body = job.encode()
+    ready = clean.ready_queues["default"].name
+    publish(raw_channel, ready, body, {**signed(body), "x-deferred-deliveries": "many"}, job.id)
+    # Taken and dropped without an ack: RabbitMQ redelivers it, flagged.
+    connection = pika.BlockingConnection(pika.URLParameters(broker_url))
+    method, _props, _body = connection.channel().basic_get(ready)
+    assert method is not None
+    connection.close()
+    worker = run_worker()
+    assert wait_for(lambda: labels(records) == ["counted"], 10)
+    assert worker.outcomes["requeued"] == 1 and worker.outcomes["succeeded"] == 1
+
+
+def test_an_older_topology_without_the_cancel_binding_is_named_and_jobs_still_run(
+    own_topology, raw_channel, run_worker, records, caplog
+):
+    from deferred.broker import TopologyNotDeclared
+
+    # Given a topology declared before cancels went through the ingest exchange,
+    raw_channel.queue_unbind(
+        own_topology.cancels_queue.name, own_topology.ingest_exchange, "cancel"
+    )
+    off = {**django_settings.DEFERRED, "PREFIX": own_topology.prefix, "DECLARE": False}
+    with override_settings(DEFERRED=off):
+        # the check names the missing binding,
+        with pytest.raises(CommandError, match="routing key 'cancel'"):
+            call_command("declare_delay_topology", "--check", stdout=StringIO())
+        # cancel() raises rather than lose the cancel,
+        job_id = defer(record, 0.3, records, "runs")
+        with pytest.raises(TopologyNotDeclared):
+            cancel(job_id)
+        # and a worker says so, and runs jobs all the same.
+        run_worker()
+        assert wait_for(lambda: labels(records) == ["runs"], 10)
+        assert any("lacks the binding" in m for m in caplog.messages)
+    # Declaring again adds the binding.
+    call_command("declare_delay_topology", stdout=StringIO())
+    cancel(job_id)

@@ -9,6 +9,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from deferred import export
 from deferred.broker import Admin, BrokerError, DeclareReport, admin_channel, vhost_of
+from deferred.cancels import cancel_route_missing
 from deferred.cluster import leaders_per_node, management_api
 from deferred.http_api import ManagementAPI
 from deferred.management.arguments import command_settings
@@ -108,6 +109,11 @@ class Command(BaseCommand):
                     self._emit(rows if as_json else _rows_text(rows), as_json)
                 elif options["check"] or not settings.declare:
                     missing = admin.missing(plan)
+                    if not missing:
+                        # Bindings cannot be listed over AMQP; this one is new
+                        # in a topology of the same name: try it.
+                        route = cancel_route_missing(settings)
+                        missing += [route] if route else []
                     self._checked(plan, missing, settings.declare, as_json)
                     if not settings.declare:
                         # Complete (else _checked raised): record this version, so
@@ -175,7 +181,7 @@ class Command(BaseCommand):
         if missing:
             raise CommandError(
                 f"{why}Topology {plan.topology_id} is incomplete: {len(missing)} of its {total} "
-                "exchanges and queues are missing:\n"
+                "exchanges and queues (or the cancels' binding) are missing:\n"
                 + "\n".join(f"  {name}" for name in missing)
                 + "\nCreate them with what `--format definitions` or `--format terraform` prints"
                 + (" (or run this command without --check)." if declare else ".")
@@ -184,7 +190,8 @@ class Command(BaseCommand):
             self.stdout.write(
                 self.style.SUCCESS(
                     f"{why}Topology {plan.topology_id} is complete: all {total} exchanges and "
-                    "queues exist (bindings cannot be checked over AMQP)."
+                    "queues exist, and cancels reach their stream (other bindings cannot be "
+                    "checked over AMQP)."
                 )
             )
 

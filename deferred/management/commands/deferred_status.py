@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import json
-import time
+import signal
+import threading
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
@@ -47,12 +48,26 @@ class Command(BaseCommand):
                 else status.render_text(snapshot)
             )
             return
+        # Ctrl-C (or SIGTERM) ends the loop even when the KeyboardInterrupt lands
+        # inside pika's I/O loop, which can swallow it: a flag is checked too.
+        stop = threading.Event()
+
+        def interrupted(_signum: int, _frame: Any) -> None:
+            stop.set()
+            raise KeyboardInterrupt
+
+        previous = {
+            signum: signal.signal(signum, interrupted) for signum in (signal.SIGINT, signal.SIGTERM)
+        }
         try:
-            while True:
+            while not stop.is_set():
                 self._frame(settings, as_json)
-                time.sleep(every)
+                stop.wait(every)
         except KeyboardInterrupt:
             return
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
 
     def _frame(self, settings: DeferredSettings, as_json: bool) -> None:
         """One refresh of ``--watch``: a broker that is down is reported, not fatal."""
