@@ -61,16 +61,22 @@ certificates() {
     mkdir -p "$certs"
     (
         cd "$certs"
-        openssl req -x509 -newkey rsa:2048 -nodes -days 30 -subj "/CN=deferred test CA" \
-            -keyout ca.key -out ca.pem 2>/dev/null
-        openssl req -x509 -newkey rsa:2048 -nodes -days 30 -subj "/CN=another CA" \
-            -keyout other-ca.key -out other-ca.pem 2>/dev/null
-        printf 'subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage=serverAuth\n' > server.ext
+        # CAs and certificates as strict verifiers want them (Python 3.13 turns
+        # on VERIFY_X509_STRICT): key usage, basic constraints, key identifiers.
+        for name in ca other-ca; do
+            openssl req -x509 -newkey rsa:2048 -nodes -days 30 -subj "/CN=deferred test $name" \
+                -addext "basicConstraints=critical,CA:TRUE" \
+                -addext "keyUsage=critical,keyCertSign,cRLSign" \
+                -addext "subjectKeyIdentifier=hash" \
+                -keyout "$name.key" -out "$name.pem" 2>/dev/null
+        done
+        leaf='basicConstraints=critical,CA:FALSE\nkeyUsage=critical,digitalSignature,keyEncipherment\nsubjectKeyIdentifier=hash\nauthorityKeyIdentifier=keyid,issuer\n'
+        printf "${leaf}subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage=serverAuth\n" > server.ext
         openssl req -newkey rsa:2048 -nodes -subj "/CN=localhost" \
             -keyout server.key -out server.csr 2>/dev/null
         openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial -days 30 \
             -extfile server.ext -out server.pem 2>/dev/null
-        printf 'extendedKeyUsage=clientAuth\n' > client.ext
+        printf "${leaf}extendedKeyUsage=clientAuth\n" > client.ext
         openssl req -newkey rsa:2048 -nodes -subj "/CN=deferred client" \
             -keyout client.key -out client.csr 2>/dev/null
         openssl x509 -req -in client.csr -CA ca.pem -CAkey ca.key -CAcreateserial -days 30 \
