@@ -1,7 +1,7 @@
 """Run the benchmarks and write ``docs/bench/``: results.json, README.md and plots.
 
 python -m bench [--quick] [--only raw,latency,dispatch,sustained,scale,alternatives,operate,
-                                 schedules,cancels,signing,cluster]
+                                 schedules,cancels,signing,async,processes,cluster]
 
 The cluster scenario runs on the local three-node cluster (scripts/local-cluster.sh),
 which it starts if it does not run (and then stops at the end); --smoke leaves it out.
@@ -31,6 +31,8 @@ SCENARIOS = [
     "schedules",
     "cancels",
     "signing",
+    "async",
+    "processes",
     "cluster",
 ]
 
@@ -59,6 +61,8 @@ def parameters(quick: bool, smoke: bool = False) -> dict[str, Any]:
             "schedules": {"steady_s": 4, "after_s": 3},
             "cancels": {"calls": 20, "propagation": 10, "race": 5, "n_force": 1000},
             "signing": {"rounds": 1000, "calls": 40, "jobs": 200, "repeats": 1},
+            "async": {"calls": 100, "coroutines": 10, "repeats": 1},
+            "processes": {"jobs": 20, "work": 10_000, "counts": (1, 2)},
             "cluster": None,  # the smoke run needs no cluster
         }
     if quick:
@@ -81,6 +85,8 @@ def parameters(quick: bool, smoke: bool = False) -> dict[str, Any]:
             "schedules": {"steady_s": 20, "after_s": 10},
             "cancels": {"calls": 300, "propagation": 100, "race": 50, "n_force": 100_000},
             "signing": {"rounds": 100_000, "calls": 1000, "jobs": 5000, "repeats": 2},
+            "async": {"calls": 1000, "coroutines": 100, "repeats": 2},
+            "processes": {"jobs": 200, "work": 300_000, "counts": (1, 2)},
             "celery": {"eta_pending": 5000, "timeout": None, "rates": [100], "seconds": 3},
             "cluster": {
                 "rates": [100, 400],
@@ -126,6 +132,8 @@ def parameters(quick: bool, smoke: bool = False) -> dict[str, Any]:
         "schedules": {"steady_s": 120, "after_s": 30},
         "cancels": {"calls": 1000, "propagation": 300, "race": 200, "n_force": 100_000},
         "signing": {"rounds": 200_000, "calls": 4000, "jobs": 20_000, "repeats": 3},
+        "async": {"calls": 1000, "coroutines": 100, "repeats": 5},
+        "processes": {"jobs": 400, "work": 300_000, "counts": (1, 2)},
         "celery": {
             "eta_pending": 100_000,
             "timeout": (5000, 90.0, 20),
@@ -163,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     django.setup()
     from bench import (
         alternatives,
+        asyncdefer,
         cancels,
         cluster,
         dispatch,
@@ -255,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     step("schedules", lambda: schedules.run(p["schedules"]))
     step("cancels", lambda: cancels.run(p["cancels"]))
     step("signing", lambda: signing.run(p["signing"]))
+    step("async", lambda: asyncdefer.run(p["async"]))
     # Last: it starts three more brokers on this machine (and stops them if it started them).
     if p["cluster"] is None:
         if "cluster" in chosen:

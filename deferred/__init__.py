@@ -9,6 +9,7 @@ job_id = defer(send_reminder, timedelta(hours=24), reminder.pk)
 cancel(job_id)  # changed our mind: it will not run
 """
 
+from deferred.asynchronous import adefer, adefer_many
 from deferred.broker import BrokerError, BrokerUnavailable, PublishRefused, TopologyNotDeclared
 from deferred.cancels import cancel, cancel_many
 from deferred.context import current_job
@@ -27,6 +28,8 @@ __all__ = [
     "Retry",
     "Task",
     "TopologyNotDeclared",
+    "adefer",
+    "adefer_many",
     "cancel",
     "cancel_many",
     "cron",

@@ -26,10 +26,12 @@ from datetime import datetime, timedelta
 from functools import partial
 from typing import Any
 
+from django.apps import apps
 from django.core import checks
 from django.core.exceptions import ImproperlyConfigured
 from django.utils import timezone
 
+from deferred.asynchronous import asubmit
 from deferred.conf import DeferredSettings, get_settings
 from deferred.context import running
 from deferred.delays import delay_ms
@@ -154,6 +156,33 @@ class RabbitMQBackend(BaseTaskBackend):  # type: ignore[misc]
         cannot take or JSON cannot carry, ``deferred.BrokerError`` if the
         broker cannot take the job.
         """
+        enqueuing = self._enqueuing(task, args, kwargs)
+        # task_enqueued once the job is on the broker: after the commit inside
+        # atomic(), never for a rollback.
+        token = _enqueuing.set(enqueuing.result)
+        try:
+            submit(enqueuing.job, enqueuing.wait_ms, **enqueuing.submit_options)
+        finally:
+            _enqueuing.reset(token)
+        return enqueuing.result
+
+    async def aenqueue(self, task: Any, args: Any, kwargs: Any) -> Any:
+        """:meth:`enqueue` for async code: the checks at once, the publish in a thread.
+
+        The framework's default runs all of ``enqueue()`` through
+        ``sync_to_async``, one call at a time in one thread; this one
+        publishes as ``deferred.adefer()`` does, many at once.
+        """
+        enqueuing = self._enqueuing(task, args, kwargs)
+        token = _enqueuing.set(enqueuing.result)
+        try:
+            await asubmit(enqueuing.job, enqueuing.wait_ms, **enqueuing.submit_options)
+        finally:
+            _enqueuing.reset(token)
+        return enqueuing.result
+
+    def _enqueuing(self, task: Any, args: Any, kwargs: Any) -> _Enqueuing:
+        """Every check of ``enqueue()``, the job it publishes and the result it returns."""
         self.validate_task(task)
         settings = get_settings()
         _check_arguments(task, tuple(args), dict(kwargs))
@@ -185,21 +214,17 @@ class RabbitMQBackend(BaseTaskBackend):  # type: ignore[misc]
             errors=[],
             worker_ids=[],
         )
-        # task_enqueued once the job is on the broker: after the commit inside
-        # atomic(), never for a rollback.
-        token = _enqueuing.set(result)
-        try:
-            submit(
-                job,
-                wait_ms,
-                on_commit=self.on_commit,
-                settings=settings,
-                on_published=partial(_send, "task_enqueued", type(self), result),
-                body=body,
-            )
-        finally:
-            _enqueuing.reset(token)
-        return result
+        return _Enqueuing(
+            job,
+            wait_ms,
+            result,
+            {
+                "on_commit": self.on_commit,
+                "settings": settings,
+                "on_published": partial(_send, "task_enqueued", type(self), result),
+                "body": body,
+            },
+        )
 
     @staticmethod
     def _wait_ms(run_after: datetime | None, now: datetime, settings: DeferredSettings) -> int:
@@ -237,6 +262,16 @@ class RabbitMQBackend(BaseTaskBackend):  # type: ignore[misc]
                 id="deferred.E010",
             )
         ]
+
+
+@dataclass(frozen=True)
+class _Enqueuing:
+    """A django.tasks call turned into a job, ready for ``submit()``."""
+
+    job: Job
+    wait_ms: int
+    result: Any
+    submit_options: dict[str, Any]
 
 
 def _option(alias: str, options: dict[str, Any], name: str, parse: Any) -> Any:
@@ -295,6 +330,41 @@ def _check_arguments(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -
     if task.takes_context:
         args = (None, *args)  # the worker passes the context first
     check_call(task.func, task.module_path, args, kwargs)
+
+
+def _task_module(path: str, module_name: str) -> Any:
+    """The module of a django.tasks task, imported if it lies inside an installed app.
+
+    django.tasks' own workers import a task's module path, so a task may
+    live in any module of an app (``accounts/jobs.py``), not only in the
+    ``tasks.py`` the worker loads at start. Only dotted names of public
+    identifiers under an installed app's package are looked up, loaded or
+    not (``os`` is loaded, and still refused); an error
+    while importing is the job's ``unknown_task``, not the worker's crash.
+    """
+    parts = module_name.split(".") if module_name else []
+    if not parts or not all(p.isidentifier() and not p.startswith("_") for p in parts):
+        raise UnknownTask(f"django.tasks task {path!r}: {module_name!r} is not a module path.")
+    inside = any(
+        module_name == config.name or module_name.startswith(f"{config.name}.")
+        for config in apps.get_app_configs()
+    )
+    if not inside:
+        raise UnknownTask(
+            f"django.tasks task {path!r}: module {module_name!r} is not inside the package "
+            "of an installed app, and the worker imports tasks from those only. Define "
+            "django.tasks tasks in a module of an app listed in INSTALLED_APPS."
+        )
+    loaded = sys.modules.get(module_name)
+    if loaded is not None:
+        return loaded
+    try:
+        return importlib.import_module(module_name)
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - any import failure refuses the job
+        raise UnknownTask(
+            f"django.tasks task {path!r}: importing {module_name!r} failed: "
+            f"{type(exc).__name__}: {exc}"
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -377,21 +447,16 @@ def _finish(result: Any, status: Any) -> None:
 def resolve_django_task(job: Job) -> DjangoTask:
     """The django.tasks task a job names; ``UnknownTask`` if it cannot be run here.
 
-    A message only names a module path, so nothing is imported here: the
-    module must already be loaded (``tasks.py`` of every installed app is,
-    when the worker starts), and the object found must be a django.tasks
-    ``Task``. A forged message can neither import a module nor call anything
-    that is not a task.
+    A message names a module path: the worker imports it only when it lies
+    inside the package of an installed app (see :func:`_task_module`), and
+    the object found must be a django.tasks ``Task`` enqueued through a
+    ``RabbitMQBackend`` of this worker's settings. A forged message can
+    neither import a module elsewhere (``os``, a package outside
+    ``INSTALLED_APPS``) nor call anything that is not such a task.
     """
     assert job.backend is not None
     module_name, _, attribute = job.task.rpartition(".")
-    module = sys.modules.get(module_name) if module_name else None
-    if module is None:
-        raise UnknownTask(
-            f"django.tasks task {job.task!r}: module {module_name!r} is not loaded in this "
-            "worker. Define django.tasks tasks in the tasks.py of an installed app (or in a "
-            "module it imports): those are imported when the worker starts."
-        )
+    module = _task_module(job.task, module_name)
     found = getattr(module, attribute, None)
     if not isinstance(found, FrameworkTask):
         raise UnknownTask(f"{job.task!r} is not a django.tasks task (got {found!r}).")

@@ -57,8 +57,8 @@ def defer(
     carry; ``deferred.broker.BrokerError`` if the broker cannot take the job.
     """
     settings = get_settings()
-    prepared = _prepare(task, delay, args, kwargs, settings, utcnow())
-    _dispatch([prepared], settings)
+    prepared = prepare(task, delay, args, kwargs, settings, utcnow())
+    dispatch([prepared], settings)
     return prepared.job.id
 
 
@@ -72,6 +72,13 @@ def defer_many(calls: Iterable[Sequence[Any]]) -> list[str]:
     ``defer()`` per job.
     """
     settings = get_settings()
+    prepared = prepare_many(calls, settings)
+    dispatch(prepared, settings)
+    return [p.job.id for p in prepared]
+
+
+def prepare_many(calls: Iterable[Sequence[Any]], settings: DeferredSettings) -> list[Prepared]:
+    """Every check ``defer_many()`` makes, for every call, before any is published."""
     now = utcnow()
     prepared = []
     for n, call in enumerate(calls):
@@ -84,9 +91,8 @@ def defer_many(calls: Iterable[Sequence[Any]]) -> list[str]:
         kwargs = rest[0] if rest else {}
         if not isinstance(args, list | tuple) or not isinstance(kwargs, dict):
             raise TypeError(f"defer_many() call #{n}: args must be a tuple, kwargs a dict.")
-        prepared.append(_prepare(task, delay, tuple(args), kwargs, settings, now))
-    _dispatch(prepared, settings)
-    return [p.job.id for p in prepared]
+        prepared.append(prepare(task, delay, tuple(args), kwargs, settings, now))
+    return prepared
 
 
 def submit(
@@ -110,25 +116,27 @@ def submit(
     body = job.encode() if body is None else body
     check_size(job, body, settings)
     commit = settings.on_commit if on_commit is None else on_commit
-    _dispatch([_Prepared(job, wait_ms, body, commit)], settings, on_published)
+    dispatch([Prepared(job, wait_ms, body, commit)], settings, on_published)
 
 
 @dataclass(frozen=True)
-class _Prepared:
+class Prepared:
+    """A checked job, its body and whether it waits for the commit: ready to publish."""
+
     job: Job
     wait_ms: int
     body: bytes
     on_commit: bool
 
 
-def _prepare(
+def prepare(
     task: object,
     delay: object,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     settings: DeferredSettings,
     now: datetime,
-) -> _Prepared:
+) -> Prepared:
     """Every check ``defer()`` makes, and the job it would publish."""
     resolved = _resolve(task)
     queue = resolved.target_queue or settings.default_queue
@@ -153,11 +161,11 @@ def _prepare(
     )
     body = encode(job, settings)  # now, in the caller: arguments not JSON, or too big
     on_commit = resolved.options.on_commit
-    return _Prepared(job, wait_ms, body, settings.on_commit if on_commit is None else on_commit)
+    return Prepared(job, wait_ms, body, settings.on_commit if on_commit is None else on_commit)
 
 
-def _dispatch(
-    prepared: list[_Prepared],
+def dispatch(
+    prepared: list[Prepared],
     settings: DeferredSettings,
     on_published: Callable[[], None] | None = None,
 ) -> None:
@@ -172,12 +180,12 @@ def _dispatch(
         if on_published:
             on_published()
         return
-    aliases = _atomic_aliases() if any(p.on_commit for p in prepared) else []
+    aliases = atomic_aliases() if any(p.on_commit for p in prepared) else []
     immediate = [p for p in prepared if not (aliases and p.on_commit)]
     later = [p for p in prepared if aliases and p.on_commit]
     if immediate:
         try:
-            _publish_prepared(immediate, settings)
+            publish_prepared(immediate, settings)
         except broker.BrokerError as exc:
             exc.job_ids = tuple(p.job.id for p in immediate)
             exc.job_id = exc.job_ids[0]
@@ -231,7 +239,7 @@ def note_verified(settings: DeferredSettings) -> None:
         _verified.add((os.getpid(), settings))
 
 
-def _publish_prepared(prepared: list[_Prepared], settings: DeferredSettings) -> None:
+def publish_prepared(prepared: list[Prepared], settings: DeferredSettings) -> None:
     if len(prepared) == 1:
         p = prepared[0]
         publish(p.job, p.wait_ms, settings=settings, body=p.body)
@@ -252,14 +260,14 @@ def _publish_prepared(prepared: list[_Prepared], settings: DeferredSettings) -> 
     )
 
 
-def _atomic_aliases() -> list[str]:
+def atomic_aliases() -> list[str]:
     """The database aliases with a transaction open here."""
     # A connection in an atomic block has been used in this thread, so it is
     # among the initialized ones.
     return [str(c.alias) for c in connections.all(initialized_only=True) if c.in_atomic_block]
 
 
-def _publish_after_commit(prepared: list[_Prepared], settings: DeferredSettings) -> bool:
+def _publish_after_commit(prepared: list[Prepared], settings: DeferredSettings) -> bool:
     """Publish once the transaction committed, waiting only for what is left of each delay.
 
     The commit has happened, so raising would only turn the caller's
@@ -280,7 +288,7 @@ def _publish_after_commit(prepared: list[_Prepared], settings: DeferredSettings)
             )
             for p in prepared
         ]
-        _publish_prepared(due_now, settings)
+        publish_prepared(due_now, settings)
         return True
     except Exception:
         for p in prepared:

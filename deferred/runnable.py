@@ -9,9 +9,12 @@ same way.
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from asgiref.sync import async_to_sync
 from django.core.exceptions import ImproperlyConfigured
 
 from deferred.context import running
@@ -44,11 +47,25 @@ class RegisteredTask:
     task: Task[..., Any]
 
     def run(self, job: Job, worker_id: str, *, retries: bool = True) -> Any:
+        """Call the function; an ``async def`` one is run to its end here.
+
+        An event loop per job, in the job's own thread (``async_to_sync``,
+        as Django runs an async django.tasks task): its ``sync_to_async``
+        ORM calls come back to this thread and its database connection, and
+        one task blocking its loop stalls no other job.
+        """
         with running(job):
-            return self.task.func(*job.args, **job.kwargs)
+            result = self.task.func(*job.args, **job.kwargs)
+            if inspect.isawaitable(result):
+                return async_to_sync(_awaited)(result)
+            return result
 
     def retry_policy(self, settings: DeferredSettings) -> RetryPolicy:
         return self.task.retry_policy(settings)
+
+
+async def _awaited(awaitable: Awaitable[Any]) -> Any:
+    return await awaitable
 
 
 def resolve(job: Job) -> Runnable:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import inspect
 from collections.abc import Callable
 from datetime import datetime, timedelta
@@ -128,6 +129,14 @@ class Task(Generic[P, R]):
 
         return defer(self, delay, *args, **kwargs)
 
+    async def adefer(
+        self, delay: int | float | timedelta | datetime, /, *args: P.args, **kwargs: P.kwargs
+    ) -> str:
+        """Shorthand for ``await deferred.adefer(self, delay, *args, **kwargs)``."""
+        from deferred.asynchronous import adefer
+
+        return await adefer(self, delay, *args, **kwargs)
+
     @property
     def target_queue(self) -> str | None:
         """The queue this call goes to, or ``None`` for the settings' default."""
@@ -146,14 +155,22 @@ def check_call(
     func: Callable[..., Any], name: str, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> None:
     """``TypeError`` unless ``func`` could be called with ``args`` and ``kwargs``."""
-    try:
-        signature = inspect.signature(func)
-    except (TypeError, ValueError):  # builtins without a signature
+    signature = _signature(func)
+    if signature is None:
         return
     try:
         signature.bind(*args, **kwargs)
     except TypeError as exc:
         raise TypeError(f"Bad arguments for task {name!r}: {exc}") from exc
+
+
+@functools.lru_cache(maxsize=4096)
+def _signature(func: Callable[..., Any]) -> inspect.Signature | None:
+    """``func``'s signature, computed once: it is most of what checking a call costs."""
+    try:
+        return inspect.signature(func)
+    except (TypeError, ValueError):  # builtins without a signature
+        return None
 
 
 @overload

@@ -241,15 +241,86 @@ def test_a_forged_job_naming_something_else_is_not_run(clean, run_worker):
     run_worker()
     entry = forged_failure("os.system", ("touch /tmp/owned",))
     assert entry.reason == "unknown_task"
-    assert "not a django.tasks task" in (entry.error or "")
+    assert "not inside the package of an installed app" in (entry.error or "")
 
 
-def test_a_job_naming_a_module_the_worker_has_not_loaded_imports_nothing(clean, run_worker):
+def test_a_task_in_any_module_of_an_installed_app_is_imported_and_run(
+    clean, worker_process, tmp_path
+):
+    # tests/testapp/not_loaded.py is no tasks.py: the worker process has not
+    # imported it when the job arrives, and imports it then.
+    worker = worker_process()
+    path = tmp_path / "stamp.txt"
+    job = Job(
+        id=new_job_id(),
+        task="tests.testapp.not_loaded.stamp",
+        args=(str(path),),
+        kwargs={},
+        due=datetime.now(UTC),
+        queue="default",
+        backend="default",
+    )
+    publish(job, 0)
+    assert wait_for(path.exists, 15), worker.output()
+    assert path.read_text() == f"ran in {worker.proc.pid}"
+    assert wait_for(lambda: f"job={job.id}" in worker.output(), 5), worker.output()
+    assert "outcome=succeeded" in worker.output()
+
+
+@pytest.mark.parametrize(
+    ("path", "why"),
+    [
+        # Outside every installed app: never imported, whatever it is.
+        ("http.server.test", "not inside the package of an installed app"),
+        ("antigravity.fly", "not inside the package of an installed app"),
+        ("tests.fixtures_elsewhere.task", "not inside the package of an installed app"),
+        # Inside an app, but private, or not a module path at all.
+        ("tests.testapp._private.task", "is not a module path"),
+        ("tests.testapp..task", "is not a module path"),
+        ("task", "is not a module path"),
+        # Inside an app, imported, but what it names is no task.
+        ("tests.testapp.not_loaded.helper", "not a django.tasks task"),
+        ("tests.testapp.not_loaded.missing", "not a django.tasks task"),
+        # Inside an app, and importing it fails.
+        ("tests.testapp.broken_import.task", "importing 'tests.testapp.broken_import' failed"),
+        ("tests.testapp.no_such_module.task", "importing 'tests.testapp.no_such_module' failed"),
+    ],
+)
+def test_a_job_naming_a_path_the_worker_must_not_import_is_refused(
+    clean, run_worker, tmp_path, path, why
+):
+    imported_before = set(sys.modules)
     run_worker()
-    entry = forged_failure("tests.testapp.not_loaded.hidden")
+    entry = forged_failure(path, (str(tmp_path / "ran.txt"),))
     assert entry.reason == "unknown_task"
-    assert "is not loaded in this worker" in (entry.error or "")
-    assert "tests.testapp.not_loaded" not in sys.modules
+    assert why in (entry.error or ""), entry.error
+    assert not (tmp_path / "ran.txt").exists()
+    newly = set(sys.modules) - imported_before
+    assert not {"http.server", "antigravity", "tests.fixtures_elsewhere"} & newly
+
+
+def test_a_task_enqueued_through_another_kind_of_backend_is_refused(clean, run_worker):
+    with override_settings(
+        TASKS={
+            "default": {"BACKEND": "deferred.backends.RabbitMQBackend"},
+            "immediate": {"BACKEND": f"{_api.__name__}.backends.immediate.ImmediateBackend"},
+        }
+    ):
+        run_worker()
+        job = Job(
+            id=new_job_id(),
+            task="tests.testapp.framework_tasks.double",
+            args=(1,),
+            kwargs={},
+            due=datetime.now(UTC),
+            queue="default",
+            backend="immediate",
+        )
+        publish(job, 0)
+        assert wait_for(lambda: list_failed(get_settings()), 10)
+        (entry,) = list_failed(get_settings())
+    assert entry.reason == "unknown_task"
+    assert "not RabbitMQBackend" in (entry.error or "")
 
 
 def test_capture_and_eager_modes_take_django_tasks_too(tmp_path):

@@ -1,6 +1,7 @@
 """Tasks the tests defer. They record what happened in a JSON-lines file so
 that a worker in another process can report back."""
 
+import asyncio
 import json
 import os
 import time
@@ -152,3 +153,18 @@ def slow_fail(path: str, label: str, seconds: float) -> None:
     time.sleep(seconds)
     _append(path, label=f"{label}:end", attempt=_attempt())
     raise RuntimeError(f"{label} failed after running")
+
+
+@task(name="tests.record_async")
+async def record_async(path: str, label: str) -> None:
+    """An ``async def`` task: awaits, then records its job (the context reaches it)."""
+    await asyncio.sleep(0.01)
+    job = current_job()
+    _append(path, label=label, event="ran", job=job.id if job else None, kind="async")
+
+
+@task(name="tests.explode_async", max_retries=1, retry_backoff=[0.05])
+async def explode_async(path: str, message: str) -> None:
+    job = current_job()
+    _append(path, label=message, event="attempt", attempt=job.attempt if job else None)
+    raise RuntimeError(message)
