@@ -177,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         dispatch,
         latency,
         operate,
+        processes,
         raw,
         report,
         scale,
@@ -265,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     step("cancels", lambda: cancels.run(p["cancels"]))
     step("signing", lambda: signing.run(p["signing"]))
     step("async", lambda: asyncdefer.run(p["async"]))
+    step("processes", lambda: processes.run(p["processes"]))
     # Last: it starts three more brokers on this machine (and stops them if it started them).
     if p["cluster"] is None:
         if "cluster" in chosen:

@@ -208,6 +208,7 @@ class Worker:
         concurrency: int,
         log_level: str = "INFO",
         extra_env: dict[str, str] | None = None,
+        extra_args: tuple[str, ...] = (),
     ):
         self.seen_path = Path(tempfile.mkstemp(prefix="bench-seen-")[1])
         self.log_path = Path(tempfile.mkstemp(prefix="bench-worker-")[1])
@@ -227,6 +228,7 @@ class Worker:
                 "run_deferred_worker",
                 "--concurrency",
                 str(concurrency),
+                *extra_args,
             ],
             cwd=ROOT,
             env=env,

@@ -57,6 +57,8 @@ def write(results: dict[str, Any], out: Path) -> None:
     lines += _schedules(results)
     lines += _cancels(results)
     lines += _signing(results)
+    lines += _async(results)
+    lines += _processes(results)
     lines += _cluster(results, plots)
     (out / "README.md").write_text("\n".join(lines) + "\n")
 
@@ -462,6 +464,63 @@ def _signing(r: dict[str, Any]) -> list[str]:
         f"({_runs(runs['unsigned'])}) |",
         "",
     ]
+
+
+def _async(r: dict[str, Any]) -> list[str]:
+    g = r.get("async")
+    if not g:
+        return []
+    lines = [
+        "## Async: `adefer()` in an event loop",
+        "",
+        f"{g['calls']:,} calls from {g['coroutines']} coroutines (one after the other in each) in "
+        "one event loop, every job published and confirmed; beside them a ticker coroutine "
+        "sleeps 1 ms at a time and records by how much each sleep overran: the loop's lag, "
+        "what every other request of an ASGI server waits. Best run by jobs/s. "
+        f"({r.get('async_seconds', '?')} s for the scenario.)",
+        "",
+        "| way | jobs/s | call p50 / p99 | loop lag p50 / p99 / max |",
+        "|---|---|---|---|",
+    ]
+    for name, m in g.items():
+        if not isinstance(m, dict):
+            continue
+        call, lag = m["call_ms"], m["loop_lag_ms"]
+        lines.append(
+            f"| `{name}` | {_f(m['jobs_per_s'], 0)} | {_f(call['p50'], 1)} / "
+            f"{_f(call['p99'], 1)} ms | {_f(lag['p50'], 2)} / {_f(lag['p99'], 2)} / "
+            f"{_f(lag['max'], 1)} ms |"
+        )
+    lines += [
+        "",
+        "`adefer` publishes from one thread per process, up to 20 jobs per round trip; "
+        "`adefer, ON_COMMIT on` is the library's default setting (outside a transaction it "
+        "costs nothing more); `aio-pika bare publish` is an async AMQP client publishing the "
+        "same bodies with confirms and nothing else (no checks, signing, failover or TLS), "
+        "measured only when aio-pika is installed (`pip install -e '.[bench]'`).",
+        "",
+    ]
+    return lines
+
+
+def _processes(r: dict[str, Any]) -> list[str]:
+    g = r.get("processes")
+    if not g:
+        return []
+    lines = [
+        "## Processes: CPU-bound jobs",
+        "",
+        f"{g['jobs']:,} jobs already due, each {g['work']:,} rounds of pure-Python arithmetic "
+        "(the GIL held throughout), run by `run_deferred_worker --processes N --concurrency 1` "
+        "or by threads in one process; jobs/s from the first job's end to the last's. "
+        f"({r.get('processes_seconds', '?')} s for the scenario.)",
+        "",
+        "| workers | jobs/s |",
+        "|---|---|",
+    ]
+    lines += [f"| {name} | {_f(rate, 1)} |" for name, rate in g["jobs_per_s"].items()]
+    lines.append("")
+    return lines
 
 
 def _runs(values: list[float]) -> str:

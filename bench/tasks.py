@@ -23,6 +23,18 @@ def noop(n: int = 0) -> None:
     _seen.append((job.id, now, (now - job.due.timestamp()) * 1000))
 
 
+@task(name="bench.burn")
+def burn(work: int) -> None:
+    """CPU-bound: ``work`` rounds of arithmetic, holding the GIL throughout."""
+    total = 0
+    for i in range(work):
+        total += i * i % 7
+    job = current_job()
+    assert job is not None
+    now = time.time()
+    _seen.append((job.id, now, (now - job.due.timestamp()) * 1000))
+
+
 @task(name="bench.tick")
 def tick() -> None:
     """The schedules scenario's recurring task: one line per run, written at once (the
@@ -36,7 +48,7 @@ def tick() -> None:
 def _write() -> None:
     path = os.environ.get("BENCH_SEEN")
     if path and _seen:
-        with open(path, "w") as f:
+        with open(path, "a") as f:  # --processes: every child adds its own
             f.writelines(f"{job_id} {at:.6f} {late:.3f}\n" for job_id, at, late in _seen)
 
 

@@ -35,7 +35,7 @@ from typing import Any
 
 from asgiref.sync import AsyncToSync, sync_to_async
 
-from deferred import broker
+from deferred import broker, tracing
 from deferred.conf import DeferredSettings, get_settings
 from deferred.jobs import Job, utcnow
 from deferred.publishing import (
@@ -100,7 +100,8 @@ async def asubmit(
     body = job.encode() if body is None else body
     check_size(job, body, settings)
     commit = settings.on_commit if on_commit is None else on_commit
-    await _adispatch([Prepared(job, wait_ms, body, commit)], settings, on_published)
+    prepared = Prepared(job, wait_ms, body, commit, tracing.producer_headers(job, wait_ms))
+    await _adispatch([prepared], settings, on_published)
 
 
 async def _adispatch(

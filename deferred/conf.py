@@ -9,6 +9,7 @@ because the cache is dropped on Django's ``setting_changed`` signal.
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import os
 import re
@@ -98,6 +99,11 @@ DEFAULTS: dict[str, Any] = {
     "TLS_CERT_FILE": None,
     "TLS_KEY_FILE": None,
     "TLS_SERVER_NAME": None,
+    # The metrics/ URL (Prometheus' text format of deferred_status): a bearer
+    # token Prometheus sends (authorization.credentials), and/or the networks
+    # it scrapes from. Both None: the URL answers 404. Both set: both must pass.
+    "METRICS_TOKEN": None,
+    "METRICS_ALLOW": None,
 }
 
 #: The management plugin's default ports, plain and TLS.
@@ -177,6 +183,10 @@ class DeferredSettings:
     max_message_bytes: int = 256 * 1024
     #: TLS options for amqps:// URLs (None: pika's and the system's defaults).
     tls: TLSOptions | None = None
+    #: The bearer token the metrics URL asks for (None: no token). Never shown.
+    metrics_token: str | None = field(default=None, repr=False)
+    #: The networks the metrics URL answers (None: any, if a token is set).
+    metrics_allow: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] | None = None
 
     @property
     def broker_url(self) -> str:
@@ -187,6 +197,43 @@ class DeferredSettings:
     def default_queue(self) -> str:
         """The queue a task goes to when neither it nor the call names one."""
         return self.queues[0]
+
+
+#: A shorter bearer token can be guessed: the metrics URL refuses to start with one.
+MIN_METRICS_TOKEN = 16
+
+
+def _metrics_token(value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or len(value) < MIN_METRICS_TOKEN or value != value.strip():
+        raise ImproperlyConfigured(
+            f"DEFERRED['METRICS_TOKEN'] must be a string of at least {MIN_METRICS_TOKEN} "
+            "characters with no surrounding spaces (e.g. secrets.token_urlsafe(32)), or None."
+        )
+    return value
+
+
+def _metrics_allow(
+    value: Any,
+) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] | None:
+    """``METRICS_ALLOW``: addresses or networks ("10.0.0.0/8", "::1") the metrics URL answers."""
+    if value is None:
+        return None
+    if isinstance(value, str) or not isinstance(value, list | tuple) or not value:
+        raise ImproperlyConfigured(
+            "DEFERRED['METRICS_ALLOW'] must be a non-empty list of addresses or networks, "
+            f'e.g. ["127.0.0.1", "10.0.0.0/8"], or None; got {value!r}.'
+        )
+    networks = []
+    for entry in value:
+        try:
+            networks.append(ipaddress.ip_network(entry, strict=False))
+        except (TypeError, ValueError):
+            raise ImproperlyConfigured(
+                f"DEFERRED['METRICS_ALLOW']: {entry!r} is not an IP address or network."
+            ) from None
+    return tuple(networks)
 
 
 def _duration_ms(name: str, value: Any) -> float:
@@ -422,6 +469,8 @@ def _build(raw: Any) -> DeferredSettings:
             "4.x refuses more than 16 MiB by default); "
             f"got {max_message_bytes!r}."
         )
+    metrics_token = _metrics_token(values["METRICS_TOKEN"])
+    metrics_allow = _metrics_allow(values["METRICS_ALLOW"])
     tls = _tls(values)
     if tls is not None:
         broker_urls = tuple(_with_tls(url, tls) for url in broker_urls)
@@ -450,6 +499,8 @@ def _build(raw: Any) -> DeferredSettings:
         signing_keys=signing_keys,
         max_message_bytes=max_message_bytes,
         tls=tls,
+        metrics_token=metrics_token,
+        metrics_allow=metrics_allow,
     )
     # The plan enforces the limits that depend on several values at once
     # (routing-key length); building it here makes them configuration errors.

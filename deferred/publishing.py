@@ -11,15 +11,15 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from functools import partial
 from typing import Any
 
 from django.db import connections, transaction
 
-from deferred import broker, signing
+from deferred import broker, signing, tracing
 from deferred.conf import DeferredSettings, get_settings
 from deferred.delays import delay_ms
 from deferred.jobs import Job, new_job_id, utcnow
@@ -116,7 +116,8 @@ def submit(
     body = job.encode() if body is None else body
     check_size(job, body, settings)
     commit = settings.on_commit if on_commit is None else on_commit
-    dispatch([Prepared(job, wait_ms, body, commit)], settings, on_published)
+    prepared = Prepared(job, wait_ms, body, commit, tracing.producer_headers(job, wait_ms))
+    dispatch([prepared], settings, on_published)
 
 
 @dataclass(frozen=True)
@@ -127,6 +128,8 @@ class Prepared:
     wait_ms: int
     body: bytes
     on_commit: bool
+    #: The trace context of the ``defer`` span (deferred.tracing); empty without OpenTelemetry.
+    headers: Mapping[str, str] = field(default_factory=dict)
 
 
 def prepare(
@@ -161,7 +164,13 @@ def prepare(
     )
     body = encode(job, settings)  # now, in the caller: arguments not JSON, or too big
     on_commit = resolved.options.on_commit
-    return Prepared(job, wait_ms, body, settings.on_commit if on_commit is None else on_commit)
+    return Prepared(
+        job,
+        wait_ms,
+        body,
+        settings.on_commit if on_commit is None else on_commit,
+        tracing.producer_headers(job, wait_ms),
+    )
 
 
 def dispatch(
@@ -242,7 +251,7 @@ def note_verified(settings: DeferredSettings) -> None:
 def publish_prepared(prepared: list[Prepared], settings: DeferredSettings) -> None:
     if len(prepared) == 1:
         p = prepared[0]
-        publish(p.job, p.wait_ms, settings=settings, body=p.body)
+        publish(p.job, p.wait_ms, settings=settings, body=p.body, headers=p.headers)
         return
     _check_topology(settings)
     plan = plan_topology(settings)
@@ -253,7 +262,7 @@ def publish_prepared(prepared: list[Prepared], settings: DeferredSettings) -> No
                 plan.routing_key(p.wait_ms, p.job.queue),
                 p.body,
                 p.job.id,
-                signing.sign(p.body, settings.signing_keys),
+                {**p.headers, **signing.sign(p.body, settings.signing_keys)},
             )
             for p in prepared
         ]
@@ -319,9 +328,17 @@ def _resolve(task: object) -> Task[..., Any]:
 
 
 def publish(
-    job: Job, wait_ms: int, *, settings: DeferredSettings | None = None, body: bytes | None = None
+    job: Job,
+    wait_ms: int,
+    *,
+    settings: DeferredSettings | None = None,
+    body: bytes | None = None,
+    headers: Mapping[str, str] | None = None,
 ) -> None:
-    """Publish ``job`` to wait ``wait_ms`` (already validated) in the current topology."""
+    """Publish ``job`` to wait ``wait_ms`` (already validated) in the current topology.
+
+    ``headers`` go with it besides its signature (a trace context).
+    """
     settings = settings or get_settings()
     if body is None:
         # A retry carries one more worker name: it may outgrow the limit, and
@@ -336,7 +353,7 @@ def publish(
         plan.routing_key(wait_ms, job.queue),
         body,
         message_id=job.id,
-        headers=signing.sign(body, settings.signing_keys),
+        headers={**(headers or {}), **signing.sign(body, settings.signing_keys)},
     )
 
 

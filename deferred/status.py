@@ -340,8 +340,11 @@ class Status:
     cancelled_failed: frozenset[str] = frozenset()
 
 
-def collect(settings: DeferredSettings) -> Status:
+def collect(settings: DeferredSettings, *, read_failed: bool = True) -> Status:
     """Read every queue of every live topology: passive declares, one connection.
+
+    ``read_failed=False`` leaves the failed entries unread (only counted):
+    what a metrics scrape every few seconds needs.
 
     ``BrokerError`` (or ``BrokerUnavailable``) when RabbitMQ cannot be asked.
     """
@@ -360,7 +363,7 @@ def collect(settings: DeferredSettings) -> Status:
         ]
         stats = {name: admin.queue_stats(name) for name in names}
         failed = stats[plan.failed_queue.name]
-        if failed is not None and failed.messages <= FAILED_READ_LIMIT:
+        if read_failed and failed is not None and failed.messages <= FAILED_READ_LIMIT:
             with admin.take_all(plan.failed_queue.name) as (_channel, taken):
                 failed_jobs = [parse_failed(t.body, t.headers, t.message_id) for t in taken]
         has_cancels = admin.queue_exists(plan.cancels_queue.name)

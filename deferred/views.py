@@ -11,17 +11,21 @@ The page extends the admin's templates and needs ``django.contrib.admin``
 
 from __future__ import annotations
 
+import ipaddress
 from typing import Any
 
 from django.contrib import admin, messages
 from django.contrib.admin.views.decorators import staff_member_required
-from django.http import HttpRequest, HttpResponse
+from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
+from django.utils.crypto import constant_time_compare
+from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_GET, require_POST
 
 from deferred import cancels, failures, status
 from deferred.broker import BrokerError
 from deferred.conf import get_settings
+from deferred.metrics import MetricsError
 
 #: The chart's drawing area, in SVG user units.
 CHART_WIDTH, CHART_HEIGHT, CHART_BAR = 640, 220, 64
@@ -201,3 +205,51 @@ def cancel(request: HttpRequest) -> HttpResponse:
             fail_silently=True,
         )
     return redirect("deferred:status")
+
+
+@never_cache
+@require_GET
+def metrics(request: HttpRequest) -> HttpResponse:
+    """``deferred_status`` for Prometheus, behind ``METRICS_TOKEN`` and/or ``METRICS_ALLOW``.
+
+    Prometheus cannot log in to the admin, so this URL has its own guard; with
+    neither setting it does not exist (404), and with both, both must pass.
+    """
+    settings = get_settings()
+    if settings.metrics_token is None and settings.metrics_allow is None:
+        raise Http404("Metrics are off: set DEFERRED['METRICS_TOKEN'] or ['METRICS_ALLOW'].")
+    if settings.metrics_allow is not None and not _allowed(
+        request.META.get("REMOTE_ADDR", ""), settings.metrics_allow
+    ):
+        return HttpResponse("Forbidden\n", status=403, content_type="text/plain")
+    if settings.metrics_token is not None and not _bearer_matches(
+        request.headers.get("Authorization", ""), settings.metrics_token
+    ):
+        response = HttpResponse("Unauthorized\n", status=401, content_type="text/plain")
+        response["WWW-Authenticate"] = 'Bearer realm="deferred metrics"'
+        return response
+    try:
+        from deferred import exposition
+
+        try:
+            snapshot: status.Snapshot | None = status.collect(settings, read_failed=False).snapshot
+        except BrokerError:
+            snapshot = None
+        body, content_type = exposition.render(snapshot)
+    except MetricsError as exc:
+        return HttpResponse(f"{exc}\n", status=501, content_type="text/plain")
+    return HttpResponse(body, content_type=content_type)
+
+
+def _allowed(address: str, networks: tuple[Any, ...]) -> bool:
+    """Whether ``REMOTE_ADDR`` is in one of ``networks`` (behind a proxy: the proxy's)."""
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return False
+    return any(ip.version == network.version and ip in network for network in networks)
+
+
+def _bearer_matches(header: str, token: str) -> bool:
+    scheme, _, given = header.partition(" ")
+    return scheme.lower() == "bearer" and constant_time_compare(given.strip(), token)

@@ -32,7 +32,7 @@ from typing import Any
 
 from django.db import close_old_connections
 
-from deferred import failures, intake, signing
+from deferred import failures, intake, signing, tracing
 from deferred.broker import (
     BrokerError,
     BrokerUnavailable,
@@ -46,12 +46,15 @@ from deferred.cancels import CancelWatch, cancel_route_missing
 from deferred.cluster import management_api
 from deferred.conf import DeferredSettings, get_settings
 from deferred.delays import capped_delay_ms
+from deferred.health import HealthFile
 from deferred.jobs import Job, utcnow
+from deferred.metrics import UNKNOWN as UNKNOWN_TASK_LABEL
+from deferred.metrics import WorkerMetrics
 from deferred.publishing import note_verified, publish
 from deferred.retries import Decision
 from deferred.runnable import resolve
 from deferred.scheduler import Scheduler, scheduled_tasks
-from deferred.tasks import UnknownTask
+from deferred.tasks import UnknownTask, get_task
 from deferred.topology import plan_topology
 from deferred.watch import StuckWatch
 
@@ -93,6 +96,8 @@ class Worker:
         install_signal_handlers: bool = True,
         poll_interval: float = 0.2,
         schedules: bool = True,
+        metrics: WorkerMetrics | None = None,
+        health: HealthFile | None = None,
     ) -> None:
         self.settings = settings or get_settings()
         names = list(queues or self.settings.queues)
@@ -130,6 +135,12 @@ class Worker:
         self.cancels = CancelWatch(self.settings)
         #: How many messages ended how, by outcome ("succeeded", "cancelled", ...).
         self.outcomes: Counter[str] = Counter()
+        #: Prometheus metrics (``--metrics-port``), if asked for.
+        self.metrics = metrics
+        #: A file touched while consuming (``--health-file``), if asked for.
+        self.health = health
+        #: Task names resolved here: the only task labels the metrics use.
+        self._known_tasks: set[str] = set()
         #: Competes to schedule the recurring jobs (if there are any and ``schedules``).
         self.scheduler = (
             Scheduler(self.settings, self.worker_id)
@@ -183,7 +194,7 @@ class Worker:
                         note_verified(self.settings)
                         self._check_cancel_route()
                     self.consumer.start(self._on_delivery)
-                    self.consuming.set()
+                    self._consuming(True)
                     logger.info(
                         "Worker consuming %s at %s with concurrency %d.",
                         ", ".join(self.consumer.queues),
@@ -193,10 +204,13 @@ class Worker:
                     wait_s = RECONNECT_FIRST_S
                     while not self._stopping.is_set():
                         self.consumer.poll(self.poll_interval)
+                        if self.health is not None:
+                            self.health.beat()
+                    self._consuming(False)
                     self.consumer.cancel()
                     self._drain()
                 except (BrokerUnavailable, TopologyNotDeclared) as exc:
-                    self.consuming.clear()
+                    self._consuming(False)
                     if isinstance(exc, TopologyNotDeclared) and not self.settings.declare:
                         logger.critical("Worker stopping: %s", exc)
                         raise
@@ -212,7 +226,7 @@ class Worker:
                     self._stopping.wait(wait_s)
                     wait_s = min(wait_s * 2, RECONNECT_CAP_S)
         finally:
-            self.consuming.clear()
+            self._consuming(False)
             if watch is not None:
                 watch.stop()
             if self.scheduler is not None:
@@ -222,6 +236,20 @@ class Worker:
             self.consumer.close()
             self._restore_signals(previous)
             logger.info("Worker stopped.")
+
+    def _consuming(self, consuming: bool) -> None:
+        """Say whether jobs are being taken: the event, the health file and the gauge."""
+        if consuming:
+            self.consuming.set()
+        else:
+            self.consuming.clear()
+        if self.health is not None:
+            if consuming:
+                self.health.beat(force=True)
+            else:
+                self.health.remove()
+        if self.metrics is not None:
+            self.metrics.up.set(1 if consuming else 0)
 
     def _stuck_watch(self) -> StuckWatch | None:
         """On quorum queues, a watch over stuck dead-letters, if the management API may be asked."""
@@ -328,7 +356,7 @@ class Worker:
             self._check_held(delivery)
             # Not run on a guess, and not handed back either (each hand-back
             # counts towards DELIVERY_LIMIT): it waits in the delay queues.
-            return self._wait_for_cancels(job, exc)
+            return self._wait_for_cancels(job, delivery, exc)
         # The wait may have been long enough for the delivering node to go.
         self._check_held(delivery)
         if cancelled:
@@ -343,9 +371,10 @@ class Worker:
         started = utcnow()
         lateness_ms = (started - job.due).total_seconds() * 1000
         if lateness_ms < 0:
-            return self._reschedule_early(job, started)
+            return self._reschedule_early(job, delivery, started)
         try:
             task = resolve(job)
+            self._known_tasks.add(job.task)
         except UnknownTask as exc:
             if job.occurrence is not None:
                 # Planned before its task left the code: the schedule is gone too.
@@ -354,6 +383,7 @@ class Worker:
                     job.occurrence.isoformat(),
                     job.task,
                 )
+                self._count(job, "dropped")
                 return "dropped"
             self._fail(job, delivery, failures.UNKNOWN_TASK, exc)
             self._log(job, lateness_ms, "failed", 0.0, "reason=unknown_task")
@@ -361,16 +391,21 @@ class Worker:
 
         clock = time.monotonic()
         error: BaseException | None = None
+        if self.metrics is not None:
+            self.metrics.running.inc()
         try:
             close_old_connections()
-            task.run(job, self.worker_id)
+            with tracing.consumer_span(job, delivery.headers, job.queue, lateness_ms):
+                task.run(job, self.worker_id)
         except BaseException as exc:  # noqa: BLE001 - any failure is retried or recorded
             error = exc
         finally:
             close_old_connections()
+            if self.metrics is not None:
+                self.metrics.running.dec()
         duration_ms = (time.monotonic() - clock) * 1000
         if error is None:
-            self._log(job, lateness_ms, "succeeded", duration_ms)
+            self._log(job, lateness_ms, "succeeded", duration_ms, ran=True)
             return "succeeded"
         if self._cancelled_while_running(job):
             # Cancelled while it ran: it finished, and is neither retried nor kept as failed.
@@ -380,13 +415,14 @@ class Worker:
                 "cancelled",
                 duration_ms,
                 f"error={type(error).__name__}: {failures.describe(error)}",
+                ran=True,
             )
             return "cancelled"
 
         decision = task.retry_policy(self.settings).decide(error, job.attempt)
         if decision.retry:
             try:
-                return self._retry(job, decision.delay, lateness_ms, duration_ms, error)
+                return self._retry(job, delivery, decision.delay, lateness_ms, duration_ms, error)
             except (TypeError, ValueError) as bad_delay:  # e.g. Retry(delay=-1)
                 error = bad_delay
                 decision = Decision(False, reason=failures.TASK_ERROR)
@@ -397,6 +433,7 @@ class Worker:
             "failed",
             duration_ms,
             f"reason={decision.reason} error={type(error).__name__}: {failures.describe(error)}",
+            ran=True,
         )
         return "failed"
 
@@ -438,6 +475,8 @@ class Worker:
             refused.reason,
             refused.detail,
         )
+        if self.metrics is not None:
+            self.metrics.outcome(UNKNOWN_TASK_LABEL, self._target_of(delivery.queue), "failed")
         return "failed"
 
     def _check_held(self, delivery: Delivery) -> None:
@@ -461,7 +500,7 @@ class Worker:
         except BrokerUnavailable:
             return job.id in self.cancels.view
 
-    def _wait_for_cancels(self, job: Job, error: BrokerError) -> str:
+    def _wait_for_cancels(self, job: Job, delivery: Delivery, error: BrokerError) -> str:
         """Send a due job back for a short wait while the cancels cannot be read."""
         wait_ms = capped_delay_ms(
             CANCELS_RETRY_S,
@@ -469,7 +508,7 @@ class Worker:
             resolution_ms=self.settings.resolution_ms,
             max_delay_ms=self.settings.max_delay_ms,
         )
-        publish(job, wait_ms, settings=self.settings)
+        publish(job, wait_ms, settings=self.settings, headers=tracing.carried(delivery.headers))
         self._log(
             job,
             (utcnow() - job.due).total_seconds() * 1000,
@@ -486,6 +525,7 @@ class Worker:
     def _retry(
         self,
         job: Job,
+        delivery: Delivery,
         delay: Any,
         lateness_ms: float,
         duration_ms: float,
@@ -507,6 +547,7 @@ class Worker:
             job.next_attempt(now + timedelta(milliseconds=wait_ms), worker=self.worker_id),
             wait_ms,
             settings=self.settings,
+            headers=tracing.carried(delivery.headers),
         )
         self._log(
             job,
@@ -514,6 +555,7 @@ class Worker:
             "retrying",
             duration_ms,
             f"retry_in_ms={wait_ms} error={type(error).__name__}: {failures.describe(error)}",
+            ran=True,
         )
         return "retrying"
 
@@ -544,6 +586,7 @@ class Worker:
             message_id=job.id,
             # The job's own signature goes with it: the body is the same.
             headers={
+                **tracing.carried(delivery.headers),
                 **{k: v for k, v in delivery.headers.items() if k == signing.HEADER},
                 DELIVERIES_HEADER: count,
             },
@@ -555,9 +598,10 @@ class Worker:
             job.task,
             count,
         )
+        self._count(job, "requeued")
         return "requeued"
 
-    def _reschedule_early(self, job: Job, now: datetime) -> str:
+    def _reschedule_early(self, job: Job, delivery: Delivery, now: datetime) -> str:
         """A job that arrived before its due time (e.g. the clocks of two hosts differ)
         goes back to wait for the rest: never early."""
         # At most MAX_DELAY at a time: a job due further out (deferred under a
@@ -568,7 +612,7 @@ class Worker:
             resolution_ms=self.settings.resolution_ms,
             max_delay_ms=self.settings.max_delay_ms,
         )
-        publish(job, wait_ms, settings=self.settings)
+        publish(job, wait_ms, settings=self.settings, headers=tracing.carried(delivery.headers))
         self._log(
             job,
             (now - job.due).total_seconds() * 1000,
@@ -578,10 +622,17 @@ class Worker:
         )
         return "rescheduled"
 
-    @staticmethod
     def _log(
-        job: Job, lateness_ms: float, outcome: str, duration_ms: float, extra: str = ""
+        self,
+        job: Job,
+        lateness_ms: float,
+        outcome: str,
+        duration_ms: float,
+        extra: str = "",
+        *,
+        ran: bool = False,
     ) -> None:
+        """The job's log line, and its count in the metrics (with its timings if it ran)."""
         logger.log(
             _OUTCOME_LEVELS.get(outcome, logging.ERROR),
             "job=%s task=%s attempt=%d lateness_ms=%.1f outcome=%s duration_ms=%.1f%s",
@@ -593,3 +644,43 @@ class Worker:
             duration_ms,
             f" {extra}" if extra else "",
         )
+        self._count(
+            job,
+            outcome,
+            lateness_s=lateness_ms / 1000 if ran else None,
+            duration_s=duration_ms / 1000 if ran else None,
+        )
+
+    def _count(
+        self,
+        job: Job,
+        outcome: str,
+        *,
+        lateness_s: float | None = None,
+        duration_s: float | None = None,
+    ) -> None:
+        if self.metrics is None:
+            return
+        label = job.task if self._knows(job) else UNKNOWN_TASK_LABEL
+        self.metrics.outcome(
+            label, job.queue, outcome, lateness_s=lateness_s, duration_s=duration_s
+        )
+
+    def _knows(self, job: Job) -> bool:
+        """Whether ``job.task`` names a task of this worker (a bounded label)."""
+        if job.task in self._known_tasks:
+            return True
+        if job.backend is not None:
+            return False
+        try:
+            get_task(job.task)
+        except UnknownTask:
+            return False
+        return True
+
+    def _target_of(self, ready_queue: str) -> str:
+        """The ``DEFERRED['QUEUES']`` name of a ready queue (for a message that is no job)."""
+        for name, queue in self.plan.ready_queues.items():
+            if queue.name == ready_queue:
+                return name
+        return UNKNOWN_TASK_LABEL

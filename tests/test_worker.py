@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
+import subprocess
 import time
 
 import pika
@@ -224,3 +226,83 @@ def test_worker_recovers_when_its_ready_queue_is_deleted_and_declared_again(
     assert worker.consumer.generation > generation
     defer(record, 0.05, records, "after")
     assert wait_for(lambda: len(read_records(records)) == 1, 10)
+
+
+def test_the_health_file_is_fresh_while_consuming_and_gone_when_not(
+    clean, worker_process, tmp_path
+):
+    health = tmp_path / "healthy"
+    worker = worker_process("--health-file", str(health))
+    assert wait_for(health.exists, 5), worker.output()
+    first = health.stat().st_mtime
+    assert wait_for(lambda: health.exists() and health.stat().st_mtime > first, 6)
+    # The broker closes every connection: not consuming until the worker is back.
+    rabbitmqctl("close_all_connections", "test: the health file goes with the connection")
+    assert wait_for(lambda: not health.exists(), 10), worker.output()
+    assert wait_for(health.exists, 30), worker.output()  # reconnected, consuming again
+    worker.signal(signal.SIGTERM)
+    assert worker.wait() == 0
+    assert not health.exists()
+
+
+def test_a_health_file_in_a_missing_directory_is_refused(clean, worker_process, tmp_path):
+    worker = worker_process(
+        "--health-file", str(tmp_path / "nowhere" / "healthy"), expect_exit=True
+    )
+    assert worker.wait() != 0
+    assert "does not exist" in worker.output()
+
+
+def child_pids(parent_pid: int) -> set[int]:
+    out = subprocess.run(
+        ["ps", "-o", "pid=", "--ppid", str(parent_pid)], capture_output=True, text=True
+    ).stdout
+    return {int(pid) for pid in out.split()}
+
+
+def test_processes_run_jobs_restart_a_dead_child_and_stop_cleanly(
+    clean, records, worker_process, tmp_path
+):
+    health = tmp_path / "healthy"
+    worker = worker_process("--processes", "2", "--health-file", str(health))
+    assert wait_for(lambda: worker.output().count("Worker consuming") == 2, 20), worker.output()
+    children = child_pids(worker.proc.pid)
+    assert len(children) == 2
+    assert wait_for(health.exists, 10), worker.output()
+
+    # Two slow jobs at once: each process takes one (prefetch 1 each).
+    defer(sleepy, 0, records, "a", 1.0)
+    defer(sleepy, 0, records, "b", 1.0)
+    assert wait_for(lambda: len(read_records(records)) == 4, 15), worker.output()
+    ran_in = {r["pid"] for r in read_records(records)}
+    assert ran_in == children
+
+    # A child dies: it is started again, and jobs still run.
+    victim = sorted(children)[0]
+    os.kill(victim, signal.SIGKILL)
+    assert wait_for(lambda: "exited with signal SIGKILL" in worker.output(), 10), worker.output()
+    assert wait_for(lambda: worker.output().count("Worker consuming") == 3, 30), worker.output()
+    replaced = child_pids(worker.proc.pid)
+    assert len(replaced) == 2 and victim not in replaced
+
+    # SIGTERM to the parent: running jobs finish, every child exits, then the parent, with 0.
+    defer(sleepy, 0, records, "last", 1.5)
+    assert wait_for(
+        lambda: any(r["label"] == "last" and r["event"] == "start" for r in read_records(records)),
+        10,
+    )
+    worker.signal(signal.SIGTERM)
+    assert worker.wait(30) == 0, worker.output()
+    assert [r["event"] for r in read_records(records) if r["label"] == "last"] == ["start", "end"]
+    assert not any(os.path.exists(f"/proc/{pid}") for pid in replaced)
+    assert not health.exists()
+
+
+def test_bad_processes_values_are_refused(clean, worker_process):
+    for value in ("0", "-1", "many"):
+        worker = worker_process("--processes", value, expect_exit=True)
+        assert worker.wait() != 0
+        assert "--processes" in worker.output()
+    worker = worker_process("--processes", "2", "--queue", "nowhere", expect_exit=True)
+    assert worker.wait() != 0
+    assert "nowhere" in worker.output()

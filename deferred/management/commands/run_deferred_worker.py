@@ -11,6 +11,10 @@ from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from deferred.broker import BrokerError
+from deferred.conf import get_settings
+from deferred.health import HealthFile
+from deferred.metrics import MetricsError, WorkerMetrics, prometheus_client
+from deferred.supervisor import Supervisor, child_command
 from deferred.worker import Worker
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
@@ -24,6 +28,13 @@ def _positive_int(value: str) -> int:
         raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
     if number < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {number}")
+    return number
+
+
+def _port(value: str) -> int:
+    number = _positive_int(value)
+    if number > 65535:
+        raise argparse.ArgumentTypeError(f"a port is at most 65535, got {number}")
     return number
 
 
@@ -48,6 +59,32 @@ class Command(BaseCommand):
             help="Jobs run at once, in threads (default 1).",
         )
         parser.add_argument(
+            "--processes",
+            type=_positive_int,
+            default=1,
+            help="Worker processes under this one, each with --concurrency threads, for "
+            "CPU-bound tasks; a process that dies is started again (default 1: no parent).",
+        )
+        parser.add_argument(
+            "--metrics-port",
+            type=_port,
+            metavar="PORT",
+            help="Serve Prometheus metrics on this port at /metrics (needs "
+            "django-deferred[prometheus]; default: off).",
+        )
+        parser.add_argument(
+            "--metrics-address",
+            default="0.0.0.0",
+            metavar="ADDRESS",
+            help="The address the metrics port listens on (default 0.0.0.0: every interface).",
+        )
+        parser.add_argument(
+            "--health-file",
+            metavar="PATH",
+            help="Touch this file every 2 s while connected and consuming; removed when not "
+            "(for a Kubernetes exec probe).",
+        )
+        parser.add_argument(
             "--no-schedules",
             action="store_true",
             help="Never schedule the recurring jobs (other workers do; default: compete for it).",
@@ -64,13 +101,25 @@ class Command(BaseCommand):
             logger.setLevel(level)
         elif options["verbosity"] != 1:
             logger.setLevel(level)
+        if options["processes"] > 1:
+            self._supervise(options)
+            return
+        metrics = None
         try:
+            settings = get_settings()
+            health = HealthFile(options["health_file"]) if options["health_file"] else None
+            if options["metrics_port"] is not None:
+                metrics = WorkerMetrics(settings.queues)
             worker = Worker(
                 queues=options["queues"],
                 concurrency=options["concurrency"],
                 schedules=not options["no_schedules"],
+                metrics=metrics,
+                health=health,
             )
-        except (ImproperlyConfigured, ValueError) as exc:
+            if metrics is not None:
+                metrics.serve(options["metrics_port"], options["metrics_address"])
+        except (ImproperlyConfigured, ValueError, MetricsError) as exc:
             raise CommandError(str(exc)) from exc
         try:
             worker.run()
@@ -79,3 +128,34 @@ class Command(BaseCommand):
             # check (e.g. permissions): configuration errors, not outages,
             # which the worker rides out by reconnecting.
             raise CommandError(str(exc)) from exc
+        finally:
+            if metrics is not None:
+                metrics.close()
+
+    def _supervise(self, options: dict[str, Any]) -> None:
+        """``--processes N``: check what every child would check, then start and watch them."""
+        try:
+            if options["metrics_port"] is not None:
+                prometheus_client()
+                if options["metrics_port"] + options["processes"] - 1 > 65535:
+                    raise CommandError("--metrics-port: the ports of every process pass 65535.")
+            if options["health_file"]:
+                HealthFile(options["health_file"])
+            Worker(queues=options["queues"], concurrency=options["concurrency"], schedules=False)
+        except (ImproperlyConfigured, ValueError, MetricsError) as exc:
+            raise CommandError(str(exc)) from exc
+        argv = ["--concurrency", str(options["concurrency"]), "-v", str(options["verbosity"])]
+        for queue in options["queues"] or ():
+            argv += ["--queue", queue]
+        if options["no_schedules"]:
+            argv.append("--no-schedules")
+        if options["metrics_port"] is not None:
+            argv += ["--metrics-address", options["metrics_address"]]
+        code = Supervisor(
+            options["processes"],
+            child_command(argv),
+            metrics_port=options["metrics_port"],
+            health_file=options["health_file"],
+        ).run()
+        if code:
+            raise CommandError("A worker process did not finish cleanly.", returncode=code)
