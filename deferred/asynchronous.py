@@ -3,10 +3,10 @@
 The checks (task, arguments, delay, size) touch no socket: they run in the
 caller's coroutine, so a bad call raises there exactly as ``defer()`` would.
 The publish and its confirm happen in one publishing thread per process,
-which takes every job waiting at that moment and publishes them together
-(confirms pipelined, one round trip for the lot): a hundred coroutines
-calling at once cost the event loop a hand-off each, not a hundred
-round trips, and one thread holds the GIL far less than a pool of them
+which takes the jobs waiting at that moment (up to :data:`BATCH_JOBS`) and
+publishes them together (confirms pipelined, one round trip per batch): a
+hundred coroutines calling at once cost about five round trips, not a
+hundred, and one thread holds the GIL far less than a pool of them
 (measured in ``python -m bench --only async``: a pool of eight threads
 publishing one job each gave 2,000 jobs/s with the loop's lag p99 at 9-12 ms;
 this thread gives 3,300-3,700 jobs/s at 3 ms, and a bare aio-pika publisher
@@ -23,7 +23,7 @@ that thread, exactly as ``defer()`` would handle them there.
 from __future__ import annotations
 
 import asyncio
-import contextvars
+import copy
 import logging
 import os
 import queue
@@ -116,11 +116,12 @@ async def _adispatch(
         await sync_to_async(dispatch, thread_sensitive=True)(prepared, settings, on_published)
         return
     loop = asyncio.get_running_loop()
-    request = _Request(
-        prepared, settings, on_published, contextvars.copy_context(), loop, loop.create_future()
-    )
+    request = _Request(prepared, settings, loop, loop.create_future())
     _publishing_thread().put(request)
     await request.done
+    if on_published is not None:
+        # Where dispatch() would call it: receivers of task_enqueued may use the ORM.
+        await sync_to_async(on_published, thread_sensitive=True)()
 
 
 def _below_a_sync_caller() -> bool:
@@ -149,13 +150,12 @@ class _Request:
 
     prepared: list[Prepared]
     settings: DeferredSettings
-    on_published: Callable[[], None] | None
-    #: The caller's context, for ``on_published`` (e.g. signal receivers reading it).
-    context: contextvars.Context
     loop: asyncio.AbstractEventLoop
     #: Settled in ``loop``, with the outcomes of the whole batch at once.
     done: asyncio.Future[None]
     error: BaseException | None = None
+    #: Whether its outcome is known (published, or its own error set).
+    finished: bool = False
 
 
 class _PublishingThread:
@@ -180,47 +180,38 @@ class _PublishingThread:
                     break
                 batch.append(request)
                 jobs += len(request.prepared)
-            for group in _by_settings(batch):
-                self._publish(group)
+            try:
+                for group in _by_settings(batch):
+                    self._publish(group)
+            except BaseException as exc:
+                for request in batch:
+                    if request.error is None and not request.finished:
+                        request.error = exc
+                logger.exception("The publishing thread failed; the callers get the error.")
             _settle(batch)
 
     @staticmethod
     def _publish(group: list[_Request]) -> None:
-        """Publish a group together; if that fails, each on its own, for its own error.
+        """Publish a group together (confirms pipelined); an error is every caller's.
 
-        A confirmed job is never published twice: ``publish_many`` sends
-        again only what was not confirmed, and the fallback runs only when
-        the batch as a whole raised.
+        Not tried again one by one: ``publish_many`` may raise after some
+        jobs were confirmed, and publishing those again would run them twice.
+        As with ``defer()``, after a ``BrokerError`` a job's outcome is
+        unknown; each caller's exception names its own jobs.
         """
-        if len(group) > 1:
-            try:
-                publish_prepared([p for r in group for p in r.prepared], group[0].settings)
-            except Exception:  # noqa: BLE001 - each request is then tried alone
-                logger.debug("A batch of async publishes failed; trying them one by one.")
-            else:
-                for request in group:
-                    _finish(request, None)
-                return
-        for request in group:
-            try:
-                publish_prepared(request.prepared, request.settings)
-            except broker.BrokerError as exc:
-                exc.job_ids = tuple(p.job.id for p in request.prepared)
-                exc.job_id = exc.job_ids[0]
-                _finish(request, exc)
-            except Exception as exc:  # noqa: BLE001 - handed to the caller
-                _finish(request, exc)
-            else:
-                _finish(request, None)
-
-
-def _finish(request: _Request, error: BaseException | None) -> None:
-    if error is None and request.on_published is not None:
         try:
-            request.context.run(request.on_published)
-        except Exception as exc:  # noqa: BLE001 - handed to the caller
-            error = exc
-    request.error = error
+            publish_prepared([p for r in group for p in r.prepared], group[0].settings)
+        except Exception as exc:  # noqa: BLE001 - handed to the callers
+            for request in group:
+                error = copy.copy(exc) if len(group) > 1 else exc
+                if isinstance(error, broker.BrokerError):
+                    error.job_ids = tuple(p.job.id for p in request.prepared)
+                    error.job_id = error.job_ids[0]
+                request.error = error
+                request.finished = True
+        else:
+            for request in group:
+                request.finished = True
 
 
 def _settle(batch: list[_Request]) -> None:

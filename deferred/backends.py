@@ -455,11 +455,7 @@ def resolve_django_task(job: Job) -> DjangoTask:
     ``INSTALLED_APPS``) nor call anything that is not such a task.
     """
     assert job.backend is not None
-    module_name, _, attribute = job.task.rpartition(".")
-    module = _task_module(job.task, module_name)
-    found = getattr(module, attribute, None)
-    if not isinstance(found, FrameworkTask):
-        raise UnknownTask(f"{job.task!r} is not a django.tasks task (got {found!r}).")
+    # The backend first: a job naming an alias that is not ours imports nothing.
     try:
         backend = _api.task_backends[job.backend]
     except InvalidTaskBackend as exc:
@@ -471,6 +467,11 @@ def resolve_django_task(job: Job) -> DjangoTask:
         raise UnknownTask(
             f"TASKS[{job.backend!r}] is {type(backend).__name__} here, not RabbitMQBackend."
         )
+    module_name, _, attribute = job.task.rpartition(".")
+    module = _task_module(job.task, module_name)
+    found = getattr(module, attribute, None)
+    if not isinstance(found, FrameworkTask):
+        raise UnknownTask(f"{job.task!r} is not a django.tasks task (got {found!r}).")
     # The job holds its DEFERRED queue; "default" is how a task names the
     # default one when the backend's QUEUES do not list it by name.
     queue_name = job.queue if job.queue in backend.queues else DEFAULT_TASK_QUEUE_NAME

@@ -3,9 +3,10 @@
 A Kubernetes exec probe (or any supervisor) checks the file's age: the
 worker touches it every few seconds from the loop that consumes, and
 removes it when it stops consuming (broker lost, shutting down). A worker
-that hangs stops touching it, which a probe on an HTTP endpoint served by
-another thread would not notice; and a file needs no port, no network
-policy and no extra package.
+whose consuming loop hangs stops touching it, which a probe on an HTTP
+endpoint served by another thread would not notice (jobs that hang in every
+``--concurrency`` slot do not stop it: the job log and metrics show those);
+and a file needs no port, no network policy and no extra package.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ class HealthFile:
         self.path = Path(path)
         if not self.path.parent.is_dir():
             raise ValueError(f"--health-file: directory {self.path.parent} does not exist.")
+        # Left by a worker that was killed: not healthy until this one consumes.
+        self.path.unlink(missing_ok=True)
         self._last = 0.0
 
     def beat(self, *, force: bool = False) -> None:

@@ -49,10 +49,10 @@ class RegisteredTask:
     def run(self, job: Job, worker_id: str, *, retries: bool = True) -> Any:
         """Call the function; an ``async def`` one is run to its end here.
 
-        An event loop per job, in the job's own thread (``async_to_sync``,
-        as Django runs an async django.tasks task): its ``sync_to_async``
-        ORM calls come back to this thread and its database connection, and
-        one task blocking its loop stalls no other job.
+        An event loop per job, made by ``async_to_sync`` from the job's
+        thread (as Django runs an async django.tasks task): its
+        ``sync_to_async`` ORM calls come back to this thread and its database
+        connection, and one task blocking its loop stalls no other job.
         """
         with running(job):
             result = self.task.func(*job.args, **job.kwargs)

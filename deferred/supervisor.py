@@ -28,7 +28,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -73,8 +72,10 @@ class Supervisor:
         self.metrics_port = metrics_port
         self.health_file = Path(health_file) if health_file else None
         self.poll_interval = poll_interval
-        self._stopping = threading.Event()
+        #: Set by the signal handler (a plain flag: no lock a handler could deadlock on).
+        self._stopping = False
         self._signals: list[int] = []
+        self._forwarded: set[int] = set()
 
     def run(self) -> int:
         """Supervise until a signal; return 0 if every child finished cleanly."""
@@ -85,12 +86,11 @@ class Supervisor:
         try:
             for slot in self.slots:
                 self._start(slot)
-            while not self._stopping.is_set():
-                self._forward_signals()
+            while not self._stopping:
                 for slot in self.slots:
                     self._watch(slot)
                 self._beat()
-                self._stopping.wait(self.poll_interval)
+                time.sleep(self.poll_interval)
             return self._shutdown()
         finally:
             for signum, handler in previous.items():
@@ -100,7 +100,7 @@ class Supervisor:
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self._signals.append(signum)
-        self._stopping.set()
+        self._stopping = True
 
     def _forward_signals(self) -> None:
         while self._signals:
@@ -110,6 +110,7 @@ class Supervisor:
                 signal.Signals(signum).name,
                 sum(1 for s in self.slots if s.process and s.process.poll() is None),
             )
+            self._forwarded.add(signum)
             for slot in self.slots:
                 if slot.process is not None and slot.process.poll() is None:
                     slot.process.send_signal(signum)
@@ -124,7 +125,9 @@ class Supervisor:
             time.sleep(self.poll_interval)
             self._forward_signals()
         codes = [s.process.returncode for s in self.slots if s.process is not None]
-        failed = [code for code in codes if code != 0]
+        # A child still starting when the signal came has no handler yet and
+        # dies of it: that is a clean stop too (it had no job).
+        failed = [code for code in codes if code != 0 and -code not in self._forwarded]
         if failed:
             logger.error("Worker processes exited with %s.", ", ".join(map(str, failed)))
             return 1
@@ -152,7 +155,7 @@ class Supervisor:
             )
             slot.wait_s = min(slot.wait_s * 2, RESTART_CAP_S)
             return
-        if now >= slot.restart_at:
+        if now >= slot.restart_at and not self._stopping:
             self._start(slot)
 
     def _start(self, slot: _Slot) -> None:

@@ -16,10 +16,11 @@ from typing import Any
 
 from django.contrib import admin, messages
 from django.contrib.admin.views.decorators import staff_member_required
-from django.http import Http404, HttpRequest, HttpResponse
+from django.http import Http404, HttpRequest, HttpResponse, HttpResponseNotAllowed
 from django.shortcuts import redirect, render
 from django.utils.crypto import constant_time_compare
 from django.views.decorators.cache import never_cache
+from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_GET, require_POST
 
 from deferred import cancels, failures, status
@@ -207,8 +208,8 @@ def cancel(request: HttpRequest) -> HttpResponse:
     return redirect("deferred:status")
 
 
+@csrf_exempt  # a machine's GET with a bearer token: no cookie, nothing changes
 @never_cache
-@require_GET
 def metrics(request: HttpRequest) -> HttpResponse:
     """``deferred_status`` for Prometheus, behind ``METRICS_TOKEN`` and/or ``METRICS_ALLOW``.
 
@@ -218,6 +219,8 @@ def metrics(request: HttpRequest) -> HttpResponse:
     settings = get_settings()
     if settings.metrics_token is None and settings.metrics_allow is None:
         raise Http404("Metrics are off: set DEFERRED['METRICS_TOKEN'] or ['METRICS_ALLOW'].")
+    if request.method not in ("GET", "HEAD"):
+        return HttpResponseNotAllowed(["GET", "HEAD"])
     if settings.metrics_allow is not None and not _allowed(
         request.META.get("REMOTE_ADDR", ""), settings.metrics_allow
     ):
@@ -247,6 +250,8 @@ def _allowed(address: str, networks: tuple[Any, ...]) -> bool:
         ip = ipaddress.ip_address(address)
     except ValueError:
         return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped  # ::ffff:10.1.2.3 from a dual-stack server is 10.1.2.3
     return any(ip.version == network.version and ip in network for network in networks)
 
 

@@ -175,3 +175,18 @@ def test_test_modes_take_adefer_and_eager_runs_async_tasks(records):
     with testing.eager():
         asyncio.run(adefer(record_async, 5, records, "eager"))
     assert [r["label"] for r in read_records(records)] == ["eager"]
+
+
+def test_callers_batched_together_each_get_the_error_naming_their_own_jobs(records):
+    async def main():
+        calls = [adefer(record, 1, records, str(n)) for n in range(5)]
+        calls.append(adefer_many([(record, 1, (records, "a")), (record, 1, (records, "b"))]))
+        return await asyncio.gather(*calls, return_exceptions=True)
+
+    with override_settings(DEFERRED={"BROKER_URL": "amqp://guest:guest@127.0.0.1:1/%2F"}):
+        errors = asyncio.run(main())
+    assert all(isinstance(e, BrokerUnavailable) for e in errors), errors
+    named = [e.job_ids for e in errors]
+    assert [len(ids) for ids in named] == [1, 1, 1, 1, 1, 2]
+    assert len({job_id for ids in named for job_id in ids}) == 7  # each its own
+    assert all(e.job_id == e.job_ids[0] for e in errors)

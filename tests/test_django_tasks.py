@@ -427,3 +427,22 @@ def test_a_bad_deferred_setting_does_not_crash_task_definitions():
         backend = RabbitMQBackend("z", {})
         assert backend.check() == []
         backend.validate_task(email_users)
+
+
+def test_a_job_naming_a_backend_alias_that_is_not_ours_imports_nothing(clean, run_worker):
+    run_worker()
+    job = Job(
+        id=new_job_id(),
+        task="tests.testapp.import_marker.marked",
+        args=(),
+        kwargs={},
+        due=datetime.now(UTC),
+        queue="default",
+        backend="nope",
+    )
+    publish(job, 0)
+    assert wait_for(lambda: list_failed(get_settings()), 10)
+    (entry,) = list_failed(get_settings())
+    assert entry.reason == "unknown_task"
+    assert "TASKS['nope']" in (entry.error or "")
+    assert "tests.testapp.import_marker" not in sys.modules

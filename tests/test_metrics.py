@@ -189,3 +189,30 @@ def test_the_status_metrics_say_when_the_broker_is_down(live_server):
 def test_bad_metrics_settings_are_configuration_errors(changes):
     with deferred_settings(**changes), pytest.raises(ImproperlyConfigured, match="METRICS_"):
         get_settings()
+
+
+def test_the_metrics_url_is_absent_for_any_method_when_off_and_get_only_when_on(live_server):
+    url = f"{live_server.url}/deferred/metrics/"
+    request = urllib.request.Request(url, data=b"", method="POST")
+    with pytest.raises(urllib.error.HTTPError) as caught:
+        urllib.request.urlopen(request, timeout=10)
+    assert caught.value.code == 404
+    with deferred_settings(METRICS_ALLOW=["127.0.0.1"]):
+        with pytest.raises(urllib.error.HTTPError) as caught:
+            urllib.request.urlopen(request, timeout=10)
+    assert caught.value.code == 405
+
+
+def test_the_allow_list_reads_ipv4_mapped_addresses_as_ipv4():
+    import ipaddress
+
+    from deferred.views import _allowed
+
+    networks = (ipaddress.ip_network("10.0.0.0/8"), ipaddress.ip_network("::1"))
+    assert _allowed("10.1.2.3", networks)
+    assert _allowed("::ffff:10.1.2.3", networks)
+    assert _allowed("::1", networks)
+    assert not _allowed("11.1.2.3", networks)
+    assert not _allowed("::ffff:11.1.2.3", networks)
+    assert not _allowed("not an address", networks)
+    assert not _allowed("", networks)

@@ -306,3 +306,18 @@ def test_bad_processes_values_are_refused(clean, worker_process):
     worker = worker_process("--processes", "2", "--queue", "nowhere", expect_exit=True)
     assert worker.wait() != 0
     assert "nowhere" in worker.output()
+
+
+def test_a_stop_while_processes_are_still_starting_is_a_clean_exit(clean, worker_process):
+    worker = worker_process("--processes", "2")  # returns once the first one consumes
+    worker.signal(signal.SIGTERM)
+    assert worker.wait(30) == 0, worker.output()
+    assert "exited with" not in worker.output()
+
+
+def test_a_health_file_left_by_a_killed_worker_is_removed_at_start(clean, worker_process, tmp_path):
+    health = tmp_path / "healthy"
+    health.write_text("left by a worker killed with SIGKILL")
+    worker = worker_process("--health-file", str(health), "--queue", "nowhere", expect_exit=True)
+    assert worker.wait() != 0
+    assert not health.exists()
