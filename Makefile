@@ -1,4 +1,4 @@
-.PHONY: demo test ci bench bench-quick
+.PHONY: demo test ci bench bench-quick package
 
 demo:  ## run the demo: broker, topology, worker and web server
 	scripts/demo.sh
@@ -14,3 +14,6 @@ bench:  ## the full benchmark run; regenerates docs/bench/
 
 bench-quick:  ## the benchmarks at small sizes, under 5 minutes
 	scripts/bench.sh --quick
+
+package:  ## build the sdist and wheel, check them, and try the wheel in a fresh virtualenv
+	scripts/package-check.sh

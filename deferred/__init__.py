@@ -9,6 +9,9 @@ job_id = defer(send_reminder, timedelta(hours=24), reminder.pk)
 cancel(job_id)  # changed our mind: it will not run
 """
 
+#: The package's version: the one place it is written (pyproject.toml reads it).
+__version__ = "0.1.0"
+
 from deferred.asynchronous import adefer, adefer_many
 from deferred.broker import BrokerError, BrokerUnavailable, PublishRefused, TopologyNotDeclared
 from deferred.cancels import cancel, cancel_many
@@ -28,6 +31,7 @@ __all__ = [
     "Retry",
     "Task",
     "TopologyNotDeclared",
+    "__version__",
     "adefer",
     "adefer_many",
     "cancel",
