@@ -48,7 +48,7 @@ from deferred.publishing import (
     prepare_many,
     publish_prepared,
 )
-from deferred.tasks import Task
+from deferred.tasks import Task, publishers
 
 logger = logging.getLogger("deferred.publishing")
 
@@ -256,3 +256,6 @@ def _publishing_thread() -> _PublishingThread:
         if thread is None:
             thread = _threads[pid] = _PublishingThread()
         return thread
+
+
+publishers["adefer"] = adefer  # Task.adefer()

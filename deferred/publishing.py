@@ -23,7 +23,7 @@ from deferred import broker, signing, tracing
 from deferred.conf import DeferredSettings, get_settings
 from deferred.delays import delay_ms
 from deferred.jobs import Job, new_job_id, utcnow
-from deferred.tasks import Task, get_task
+from deferred.tasks import Task, get_task, publishers
 from deferred.topology import plan_topology
 
 logger = logging.getLogger("deferred.publishing")
@@ -376,3 +376,6 @@ def check_size(job: Job, body: bytes, settings: DeferredSettings) -> None:
             f"DEFERRED['MAX_MESSAGE_BYTES'] ({settings.max_message_bytes:,}): pass the id of "
             "the data (a row, a file) rather than the data itself."
         )
+
+
+publishers["defer"] = defer  # Task.defer()

@@ -41,6 +41,12 @@ class DuplicateTask(ValueError):
 
 _registry: dict[str, Task[..., Any]] = {}
 
+#: How ``Task.defer()`` and ``Task.adefer()`` publish: ``deferred.publishing``
+#: and ``deferred.asynchronous`` put ``defer`` and ``adefer`` here as they load.
+#: The package imports both before any of its modules can be reached, so the
+#: registry, a lower layer, never imports the publishing layer above it.
+publishers: dict[str, Callable[..., Any]] = {}
+
 
 @dataclasses.dataclass(frozen=True)
 class Options:
@@ -125,17 +131,15 @@ class Task(Generic[P, R]):
         self, delay: int | float | timedelta | datetime, /, *args: P.args, **kwargs: P.kwargs
     ) -> str:
         """Shorthand for ``deferred.defer(self, delay, *args, **kwargs)``."""
-        from deferred.publishing import defer
-
-        return defer(self, delay, *args, **kwargs)
+        job_id: str = publishers["defer"](self, delay, *args, **kwargs)
+        return job_id
 
     async def adefer(
         self, delay: int | float | timedelta | datetime, /, *args: P.args, **kwargs: P.kwargs
     ) -> str:
         """Shorthand for ``await deferred.adefer(self, delay, *args, **kwargs)``."""
-        from deferred.asynchronous import adefer
-
-        return await adefer(self, delay, *args, **kwargs)
+        job_id: str = await publishers["adefer"](self, delay, *args, **kwargs)
+        return job_id
 
     @property
     def target_queue(self) -> str | None:

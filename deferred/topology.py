@@ -30,10 +30,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from deferred.conf import DeferredSettings
+from typing import Any, Protocol
 
 #: RabbitMQ refuses an ``x-message-ttl`` above this many milliseconds (10 years).
 MAX_TTL_MS = 315_360_000_000
@@ -310,8 +307,35 @@ def _delay_queue_arguments(
     return args
 
 
+class TopologySettings(Protocol):
+    """What the plan needs of the settings (``deferred.conf.DeferredSettings`` has it).
+
+    Named here so that the plan, which is pure, depends on nothing above it.
+    """
+
+    @property
+    def prefix(self) -> str: ...
+    @property
+    def radix(self) -> int: ...
+    @property
+    def resolution_ms(self) -> int: ...
+    @property
+    def max_delay_ms(self) -> int: ...
+    @property
+    def queue_type(self) -> str: ...
+    @property
+    def queues(self) -> tuple[str, ...]: ...
+    @property
+    def delivery_limit(self) -> int: ...
+    @property
+    def quorum_group_size(self) -> int: ...
+    @property
+    def cancel_margin_ms(self) -> int: ...
+    def __hash__(self) -> int: ...
+
+
 @lru_cache(maxsize=8)
-def plan_topology(settings: DeferredSettings) -> Plan:
+def plan_topology(settings: TopologySettings) -> Plan:
     """Compute the whole topology for ``settings``. Pure and cached."""
     return build_plan(
         prefix=settings.prefix,
