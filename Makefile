@@ -1,4 +1,4 @@
-.PHONY: demo test ci bench bench-quick package
+.PHONY: demo test ci bench bench-quick package docs
 
 demo:  ## run the demo: broker, topology, worker and web server
 	scripts/demo.sh
@@ -17,3 +17,6 @@ bench-quick:  ## the benchmarks at small sizes, under 5 minutes
 
 package:  ## build the sdist and wheel, check them, and try the wheel in a fresh virtualenv
 	scripts/package-check.sh
+
+docs:  ## build the documentation site into docs/_build/html (warnings are errors)
+	scripts/docs.sh

@@ -16,10 +16,9 @@ from deferred import signing
 from deferred.conf import DeferredSettings
 from deferred.jobs import BrokenMessage, Job
 
-#: Failure reasons decided here (the job format decides "undecodable" and
-#: "invalid", see jobs.py): larger than MAX_MESSAGE_BYTES, not read;
+#: Failure reason: the message is larger than ``MAX_MESSAGE_BYTES``; not read.
 TOO_LARGE = "too_large"
-#: not signed, or not with a key this process accepts: never run.
+#: Failure reason: not signed, or not with a key this process accepts; never run.
 BAD_SIGNATURE = "bad_signature"
 
 

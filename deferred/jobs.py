@@ -18,9 +18,9 @@ from typing import Any
 
 FORMAT_VERSION = 1
 
-#: Failure reasons (``BrokenMessage.reason``): the body is not a JSON object at all,
+#: Failure reason (``BrokenMessage.reason``): the body is not a JSON object at all.
 UNDECODABLE = "undecodable"
-#: or it is JSON, but not a job of a format this version knows.
+#: Failure reason: the body is JSON, but not a job of a format this version knows.
 INVALID = "invalid"
 
 

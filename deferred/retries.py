@@ -117,10 +117,10 @@ def validate_exception_types(name: str, value: Any) -> tuple[type[BaseException]
     return tuple(types)
 
 
-#: Failure reasons the policy decides: the task raised and is not retried (no
-#: retries configured, or a permanent error),
+#: Failure reason: the task raised and is not retried (no retries configured,
+#: or an exception its policy does not retry).
 TASK_ERROR = "task_error"
-#: or it raised on its last allowed attempt.
+#: Failure reason: the task raised on its last allowed attempt.
 RETRIES_EXHAUSTED = "retries_exhausted"
 
 

@@ -72,6 +72,10 @@ _OUTCOME_LEVELS = {
     "retrying": logging.WARNING,
     "cancelled": logging.INFO,
 }
+#: The worker's line per job (logger ``deferred.worker``), then ``key=value`` extras:
+#: ``reason=`` and ``error=`` for a failure, ``retry_in_ms=`` for a retry,
+#: ``early_by_ms=`` or ``wait_for_cancels_ms=`` for a reschedule.
+JOB_LINE = "job=%s task=%s attempt=%d lateness_ms=%.1f outcome=%s duration_ms=%.1f%s"
 #: How long a job waits for the cancels to be read before it goes back to wait,
 CANCELS_TIMEOUT_S = 10.0
 #: and how long it then waits in the delay queues before it is tried again.
@@ -635,7 +639,7 @@ class Worker:
         """The job's log line, and its count in the metrics (with its timings if it ran)."""
         logger.log(
             _OUTCOME_LEVELS.get(outcome, logging.ERROR),
-            "job=%s task=%s attempt=%d lateness_ms=%.1f outcome=%s duration_ms=%.1f%s",
+            JOB_LINE,
             job.id,
             job.task,
             job.attempt,

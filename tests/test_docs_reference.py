@@ -1,0 +1,48 @@
+"""The generated reference (docs/_ext): every setting is described by the comment above
+it in conf.py, and every failure reason by the comment on its constant."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+from deferred import conf
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "docs" / "_ext"))
+reference = importlib.import_module("deferred_reference")
+
+
+def test_every_setting_has_a_description_from_the_code():
+    described = reference.setting_comments(Path(conf.__file__).read_text())
+    assert set(described) == set(conf.DEFAULTS)
+    blank = [key for key, text in described.items() if len(text.split()) < 4]
+    assert not blank, f"settings without a comment above them in conf.py: {blank}"
+
+
+def test_a_key_right_below_another_shares_its_comment():
+    source = """
+DEFAULTS = {
+    # The first group: two keys.
+    "A": 1,
+    "B": 2,
+
+    "C": 3,
+}
+"""
+    assert reference.setting_comments(source) == {
+        "A": "The first group: two keys.",
+        "B": "The first group: two keys.",
+        "C": "",
+    }
+
+
+def test_every_failure_reason_is_named_and_described():
+    from sphinx.pycode import ModuleAnalyzer
+
+    for module_name, names in reference.REASON_MODULES.items():
+        module = importlib.import_module(module_name)
+        docs = ModuleAnalyzer.for_module(module_name).find_attr_docs()
+        for name in names:
+            assert isinstance(getattr(module, name), str)
+            assert docs.get(("", name)), f"{module_name}.{name} has no #: comment"
