@@ -35,12 +35,14 @@ import deferred  # noqa: E402  # after django.setup()
 
 project = "deferred"
 release = version = deferred.__version__
-extensions = ["myst_parser", "sphinx.ext.autodoc", "deferred_reference"]
+extensions = ["myst_parser", "sphinx.ext.autodoc", "deferred_reference", "readme_sections"]
 source_suffix = {".md": "markdown"}
 exclude_patterns = ["_build"]
 html_theme = "furo"
 html_title = f"deferred {release}"
 autodoc_member_order = "bysource"
 autodoc_typehints = "description"
-myst_heading_anchors = 3
+myst_heading_anchors = 4
+# The README's anchors (GitHub's), so that its links work on the site too.
+myst_heading_slug_func = "readme_sections.slug"
 nitpicky = False
