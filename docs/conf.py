@@ -35,7 +35,7 @@ import deferred  # noqa: E402  # after django.setup()
 
 project = "deferred"
 release = version = deferred.__version__
-extensions = ["myst_parser", "sphinx.ext.autodoc", "deferred_reference", "readme_sections"]
+extensions = ["myst_parser", "sphinx.ext.autodoc", "deferred_reference"]
 source_suffix = {".md": "markdown"}
 exclude_patterns = ["_build"]
 html_theme = "furo"
@@ -43,6 +43,6 @@ html_title = f"deferred {release}"
 autodoc_member_order = "bysource"
 autodoc_typehints = "description"
 myst_heading_anchors = 4
-# The README's anchors (GitHub's), so that its links work on the site too.
-myst_heading_slug_func = "readme_sections.slug"
+# GitHub's anchors: the pages' #links work on GitHub and on the site alike.
+myst_heading_slug_func = "anchors.slug"
 nitpicky = False

@@ -48,34 +48,25 @@ def test_every_failure_reason_is_named_and_described():
             assert docs.get(("", name)), f"{module_name}.{name} has no #: comment"
 
 
-readme_sections = importlib.import_module("readme_sections")
+anchors = importlib.import_module("anchors")
 
 
-def test_readme_sections_shift_headings_and_point_links_at_their_pages():
-    readme = """# deferred
-## Use it
-Text with [a part](#a-part), [the page](#use-it), [other](#other-page), [gone](#nowhere),
-[bench](docs/bench/README.md), [file](scripts/demo.sh) and [web](https://example.com).
-### A part
-```
-### not a heading (code)
-```
-## Other page
-More.
-"""
-    pages = {"howto/use": ("## Use it", "## Other page"), "howto/other": ("## Other page", None)}
-    where = readme_sections._anchors(readme, pages)
-    page = readme_sections.render(readme, "howto/use", "## Use it", "## Other page", where)
-    assert "## A part" in page and "### not a heading (code)" in page
-    assert "[a part](#a-part)" in page  # on this page
-    assert "[the page](#use-it)" in page  # this page's own title
-    assert "[other](other.md)" in page  # another page: its file
-    assert "[gone](#nowhere)" in page  # left as it is: the build fails on it
-    assert "[bench](../bench/README.md)" in page
-    assert "[file]" not in page and " file and" in page  # a repository file: its text
-    assert "[web](https://example.com)" in page
-    assert readme_sections.slug("`run_deferred_worker`") == "run_deferred_worker"
+def test_anchors_are_githubs():
+    assert anchors.slug("`run_deferred_worker`") == "run_deferred_worker"
     assert (
-        readme_sections.slug("django.tasks (Django 6, or 5.2 with the backport)")
+        anchors.slug("django.tasks (Django 6, or 5.2 with the backport)")
         == "djangotasks-django-6-or-52-with-the-backport"
     )
+    assert anchors.slug("Deployment: systemd and Kubernetes") == "deployment-systemd-and-kubernetes"
+
+
+def test_every_link_of_the_readme_into_the_repository_exists():
+    import re
+
+    root = Path(__file__).resolve().parent.parent
+    readme = (root / "README.md").read_text()
+    targets = {t.split("#")[0] for t in re.findall(r"\]\(([^)\s]+)\)", readme)}
+    local = {t for t in targets if t and not t.startswith(("http://", "https://"))}
+    assert local, "the README links into the docs"
+    missing = sorted(t for t in local if not (root / t).exists())
+    assert not missing, missing
