@@ -30,44 +30,64 @@ from deferred.schedule import Schedule
 from deferred.topology import CANCEL_MARGIN_MS, MAX_TTL_MS, TopologyError, plan_topology
 
 DEFAULTS: dict[str, Any] = {
-    # One URL, or a list of them: one per node of a cluster, tried in order.
+    # An AMQP URL in pika's syntax (?heartbeat=30 etc.), or a list of them,
+    # one per node of a cluster, tried in order.
     "BROKER_URL": "amqp://guest:guest@127.0.0.1:5672/%2F",
-    # The whole time one defer() may take: connecting, failing over to another
-    # node, waiting out a blocked connection and the broker's confirm. Well
-    # under a web server's request timeout, so a broker in trouble costs a
-    # request an error, not a hung worker process.
+    # The one deadline of each defer() / defer_many(): connecting, failing
+    # over to another node, waiting out a blocked connection (memory or disk
+    # alarm) and the broker's confirm (timedelta or seconds; at most 300 s).
+    # Well under a web server's request timeout, so a broker in trouble costs
+    # a request an error, not a hung worker process.
     "PUBLISH_TIMEOUT": timedelta(seconds=10),
     # Quorum queues only: how many nodes keep a copy of each queue. RabbitMQ
     # caps it at the cluster's size, so 3 means "every node, up to three".
     "QUORUM_GROUP_SIZE": 3,
+    # The start of every exchange and queue name, so several projects can
+    # share a vhost.
     "PREFIX": "deferred",
-    # Ten years: the largest TTL RabbitMQ accepts on a single queue, so no
-    # queue of the topology ever needs a TTL the broker would refuse.
+    # The longest delay defer() accepts (timedelta or seconds). At most ten
+    # years, the largest TTL RabbitMQ accepts on a queue, so no queue of the
+    # topology ever needs a TTL the broker would refuse.
     "MAX_DELAY": timedelta(milliseconds=MAX_TTL_MS),
-    # Chosen from the benchmarks (docs/bench/): sixteen digit values per level
-    # need half the hops of radix 2, and hops are the broker's main cost.
+    # The base of the delay decomposition (2-64): more queues, fewer hops as
+    # it grows. Chosen from the benchmarks (docs/bench/): sixteen digit values
+    # per level need half the hops of radix 2, and hops are the broker's main cost.
     "RADIX": 16,
+    # Delays are rounded up to a multiple of this (timedelta or seconds; whole
+    # milliseconds). Coarser means fewer hops and burstier arrivals.
     "RESOLUTION": timedelta(milliseconds=1),
+    # "classic" or "quorum": quorum queues close the crash window between two
+    # levels and cost about twice the broker CPU per job.
     "QUEUE_TYPE": "classic",
+    # The target queues' names; the first is the default. Letters, digits,
+    # "_" and "-" (no dots).
     "QUEUES": ["default"],
+    # Retries after the first attempt, for tasks that do not set max_retries.
     # Retries are opt-in: a task that raises goes to the failed queue unless
     # it (or this default) allows retries.
     "MAX_RETRIES": 0,
+    # The default waits between attempts: a list of seconds (the last one
+    # repeats) or an exponential dict {"base", "factor", "cap", "jitter"}.
     "RETRY_BACKOFF": {"base": 10.0, "factor": 2.0, "cap": 3600.0, "jitter": 0.1},
     # defer() inside transaction.atomic() publishes after the commit.
     "ON_COMMIT": True,
-    # Deliveries of one job before it counts as a poison job that kills workers.
+    # Deliveries of one job without an ack before it counts as a poison job
+    # that kills workers, and goes to the failed queue.
     "DELIVERY_LIMIT": 5,
-    # False: the broker's exchanges and queues are created by infrastructure
-    # code (definitions, Terraform); the app only checks that they exist.
+    # False: never declare anything; the broker's exchanges and queues are
+    # created by infrastructure code (definitions, Terraform), and the app
+    # only checks that they exist.
     "DECLARE": True,
-    # Where deferred_status and the status page may ask for unacked messages:
-    # None tries the broker's host on the plugin's port (15672, or HTTPS on
-    # 15671 for an amqps:// broker: credentials never go out in clear text
-    # when the broker connection is encrypted), False never asks.
+    # Where to ask RabbitMQ's management API for what AMQP cannot tell
+    # (unacked counts, nodes, queue leaders, stuck dead-letters): None tries
+    # each broker host on the plugin's port (15672, or HTTPS on 15671 for an
+    # amqps:// broker: credentials never go out in clear text when the broker
+    # connection is encrypted), False never asks, or an http(s):// URL or a
+    # list of them, tried in order.
     "MANAGEMENT_URL": None,
     # Quorum delay queues whose dead-lettered messages have not moved for this
-    # long are reported as stuck (a known RabbitMQ bug after a leader change).
+    # long are reported as stuck, a known RabbitMQ bug after a leader change
+    # (timedelta or seconds, at least 1 s).
     "STUCK_AFTER": timedelta(seconds=30),
     # Whether the worker repairs stuck queues itself (forcing a leader
     # election through the management API), when its broker user may.
@@ -77,32 +97,41 @@ DEFAULTS: dict[str, Any] = {
     "SCHEDULES": {},
     # How long a cancel stays in force after its job was due: a job that
     # comes due while no worker runs is still cancelled if a worker takes it
-    # within this margin. Workers keep each cancel in memory until then.
+    # within this margin (timedelta or seconds, 1 s to 10 years). Workers
+    # keep each cancel in memory until then.
     "CANCEL_MARGIN": timedelta(milliseconds=CANCEL_MARGIN_MS),
     # Every message carries an HMAC of its body; the worker runs only jobs
     # signed with one of the keys (see deferred/signing.py). False: messages
     # are still signed when a key exists, but not checked (a mixed fleet
     # during an upgrade).
     "SIGNING": True,
-    # None: SECRET_KEY, and SECRET_KEY_FALLBACKS for verifying. Set them for
-    # fleets whose web and worker processes must not share SECRET_KEY.
+    # The key jobs are signed with; None: SECRET_KEY. Set it for fleets whose
+    # web and worker processes must not share SECRET_KEY.
     "SIGNING_KEY": None,
+    # Older keys still accepted when verifying, with SIGNING_KEY (without it,
+    # SECRET_KEY_FALLBACKS are).
     "SIGNING_KEY_FALLBACKS": None,
-    # A job body larger than this is refused by defer() and sent to the
-    # failed queue unread by the worker: it would sit in the broker's memory
-    # or disk for its whole delay.
+    # The largest job body (1 KiB to 128 MiB): defer() raises ValueError above
+    # it, and the worker sends a larger message to the failed queue unread. A
+    # body sits in the broker's memory or disk for its whole delay: pass ids.
     "MAX_MESSAGE_BYTES": 256 * 1024,
-    # TLS to the broker (amqps:// URLs): a CA bundle to verify the broker
-    # with (None: the system's), a client certificate and key (mutual TLS),
-    # and the name to expect in the broker's certificate (None: the URL's host).
+    # amqps:// only: the CA file to verify the broker with (None: the
+    # system's CAs).
     "TLS_CA_FILE": None,
+    # amqps:// only: a client certificate, for brokers that require one
+    # (mutual TLS), with TLS_KEY_FILE.
     "TLS_CERT_FILE": None,
+    # amqps:// only: the key of TLS_CERT_FILE.
     "TLS_KEY_FILE": None,
+    # amqps:// only: the name the broker's certificate must carry (None: the
+    # URL's host).
     "TLS_SERVER_NAME": None,
-    # The metrics/ URL (Prometheus' text format of deferred_status): a bearer
-    # token Prometheus sends (authorization.credentials), and/or the networks
-    # it scrapes from. Both None: the URL answers 404. Both set: both must pass.
+    # The bearer token the metrics/ URL (Prometheus' text format of
+    # deferred_status) asks for, at least 16 characters. With neither this
+    # nor METRICS_ALLOW, the URL answers 404.
     "METRICS_TOKEN": None,
+    # Addresses or networks (["10.0.0.0/8", "::1"]) the metrics/ URL answers,
+    # checked against REMOTE_ADDR; with METRICS_TOKEN too, both must pass.
     "METRICS_ALLOW": None,
 }
 

@@ -20,20 +20,22 @@ def test_every_setting_has_a_description_from_the_code():
     assert not blank, f"settings without a comment above them in conf.py: {blank}"
 
 
-def test_a_key_right_below_another_shares_its_comment():
+def test_a_key_gets_only_the_comment_right_above_it():
     source = """
 DEFAULTS = {
-    # The first group: two keys.
+    # The first key,
+    # in two lines.
     "A": 1,
     "B": 2,
 
+    # The third.
     "C": 3,
 }
 """
     assert reference.setting_comments(source) == {
-        "A": "The first group: two keys.",
-        "B": "The first group: two keys.",
-        "C": "",
+        "A": "The first key, in two lines.",
+        "B": "",
+        "C": "The third.",
     }
 
 
