@@ -7,7 +7,7 @@ from datetime import timedelta
 import pytest
 from django.core.exceptions import ImproperlyConfigured
 
-from deferred.broker import _Failover, as_urls
+from deferred.broker import Failover, as_urls
 from deferred.conf import _build
 from deferred.http_api import QueueInfo
 from deferred.repair import commands, refusal
@@ -95,7 +95,7 @@ def test_quorum_queues_are_replicated_with_balanced_leaders_and_confirmed_hops()
 
 
 def test_failover_starts_at_the_first_node_and_moves_on_when_one_is_lost() -> None:
-    failover = _Failover()
+    failover = Failover()
     urls = as_urls([A, B, C])
     assert failover.order(urls) == [0, 1, 2]
     failover.connected(urls, 0)

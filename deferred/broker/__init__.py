@@ -1,0 +1,96 @@
+"""All broker I/O: the only package that imports pika.
+
+pika's ``BlockingConnection`` is not thread-safe, so publishers keep one
+connection per thread, and the worker's consuming connection lives on one
+I/O thread. pika's exceptions are translated into the library's own, with
+messages that say what to do, so nothing outside this package needs to
+know pika. One module per role, each importing only those before it:
+
+- ``errors``: the exceptions users and the rest of the library see;
+- ``connection``: URLs, TLS, connecting with failover, deadlines;
+- ``publisher``: publishing with confirms, one connection per thread;
+- ``admin``: declaring, checking, reading and taking from queues;
+- ``consumer``: the worker's consuming connection;
+- ``streams``: reading and following a stream (the cancels);
+- ``lease``: leadership among workers (the scheduler).
+"""
+
+from deferred.broker.admin import (
+    Admin,
+    DeclareReport,
+    QueueStats,
+    Taken,
+    admin_channel,
+    not_declared,
+    verify_exchange,
+    verify_topology,
+)
+from deferred.broker.connection import (
+    BLOCKED_TIMEOUT_S,
+    PUBLISH_TIMEOUT_S,
+    Failover,
+    Node,
+    Urls,
+    answers,
+    as_urls,
+    connect,
+    failover,
+    open_connection,
+    parameters,
+    safe_url,
+    tls_context,
+    vhost_of,
+)
+from deferred.broker.consumer import Consumer, Delivery, peek
+from deferred.broker.errors import (
+    BrokerError,
+    BrokerUnavailable,
+    PublishRefused,
+    StreamGone,
+    TopologyConflict,
+    TopologyNotDeclared,
+)
+from deferred.broker.lease import Lease
+from deferred.broker.publisher import Outgoing, Publisher, _publisher, publisher, send_record
+from deferred.broker.streams import StreamFollower
+
+__all__ = [
+    "BLOCKED_TIMEOUT_S",
+    "PUBLISH_TIMEOUT_S",
+    "Admin",
+    "BrokerError",
+    "BrokerUnavailable",
+    "Consumer",
+    "DeclareReport",
+    "Delivery",
+    "Failover",  # the tests check the failover order
+    "Lease",
+    "Node",
+    "Outgoing",
+    "PublishRefused",
+    "Publisher",
+    "QueueStats",
+    "StreamFollower",
+    "StreamGone",
+    "Taken",
+    "TopologyConflict",
+    "TopologyNotDeclared",
+    "Urls",
+    "_publisher",  # the tests clear its cache
+    "admin_channel",
+    "answers",
+    "as_urls",
+    "connect",
+    "failover",  # the process's node order (the bench resets it)
+    "not_declared",
+    "open_connection",
+    "parameters",
+    "peek",
+    "publisher",
+    "safe_url",
+    "send_record",
+    "tls_context",
+    "verify_exchange",
+    "verify_topology",
+    "vhost_of",
+]
