@@ -35,16 +35,16 @@ from typing import Any
 
 from asgiref.sync import AsyncToSync, sync_to_async
 
-from deferred import broker, tracing
+from deferred import broker
 from deferred.conf import DeferredSettings, get_settings
 from deferred.jobs import Job, utcnow
 from deferred.publishing import (
     Prepared,
     atomic_aliases,
-    check_size,
     dispatch,
     interceptors,
     prepare,
+    prepare_built,
     prepare_many,
     publish_prepared,
 )
@@ -97,10 +97,7 @@ async def asubmit(
 ) -> None:
     """``publishing.submit()`` for async code (the django.tasks backend's ``aenqueue()``)."""
     settings = settings or get_settings()
-    body = job.encode() if body is None else body
-    check_size(job, body, settings)
-    commit = settings.on_commit if on_commit is None else on_commit
-    prepared = Prepared(job, wait_ms, body, commit, tracing.producer_headers(job, wait_ms))
+    prepared = prepare_built(job, wait_ms, on_commit, settings, body)
     await _adispatch([prepared], settings, on_published)
 
 

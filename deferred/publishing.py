@@ -113,11 +113,21 @@ def submit(
     ``body`` is ``job.encode()`` when the caller has it already.
     """
     settings = settings or get_settings()
+    dispatch([prepare_built(job, wait_ms, on_commit, settings, body)], settings, on_published)
+
+
+def prepare_built(
+    job: Job,
+    wait_ms: int,
+    on_commit: bool | None,
+    settings: DeferredSettings,
+    body: bytes | None = None,
+) -> Prepared:
+    """A job built elsewhere, ready to publish: encoded, size-checked, traced."""
     body = job.encode() if body is None else body
     check_size(job, body, settings)
     commit = settings.on_commit if on_commit is None else on_commit
-    prepared = Prepared(job, wait_ms, body, commit, tracing.producer_headers(job, wait_ms))
-    dispatch([prepared], settings, on_published)
+    return Prepared(job, wait_ms, body, commit, tracing.producer_headers(job, wait_ms))
 
 
 @dataclass(frozen=True)
