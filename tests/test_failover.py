@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import socket
 import threading
 import time
@@ -27,6 +28,8 @@ from django.test import override_settings
 
 from deferred import defer
 from deferred.broker import publisher
+from deferred.broker.connection import failover, open_connection, setting_up
+from deferred.broker.errors import BrokerUnavailable, TopologyNotDeclared
 from deferred.conf import get_settings
 from deferred.http_api import ManagementAPI
 from deferred.repair import repair
@@ -281,3 +284,40 @@ def test_the_worker_watch_logs_each_stuck_queue_once_and_repairs_it(stand_in, ca
     (done,) = watch.check()
     assert done.done and done.method == "api" and len(_API.asked) == 2
     assert watch.check() == []
+
+
+def _two_names_for(broker_url: str) -> tuple[str, ...]:
+    # Two URLs that both reach the one broker: the failover order is kept per
+    # URL list, and the second entry is where a lost first node sends it.
+    return (broker_url, broker_url.replace("127.0.0.1", "localhost"))
+
+
+def test_a_set_up_that_the_broker_refuses_closes_the_connection_and_moves_off_the_node(
+    broker_url,
+):
+    urls = _two_names_for(broker_url)
+    connection, node = open_connection(urls)
+    try:
+        assert node.index == 0
+        expected = re.escape(f"Could not read the missing queue at {node.address}: ")
+        with pytest.raises(BrokerUnavailable, match=expected):
+            with setting_up(connection, node, "read the missing queue"):
+                connection.channel().queue_declare("deferred-test-no-such-queue", passive=True)
+        assert connection.is_closed
+        assert failover.order(urls)[0] == 1
+    finally:
+        failover.connected(urls, 0)
+
+
+@pytest.mark.parametrize("error", [ValueError("a bug of ours"), KeyboardInterrupt()])
+def test_any_other_failure_of_a_set_up_closes_the_connection_and_passes_through(broker_url, error):
+    urls = _two_names_for(broker_url)
+    for raised in (error, TopologyNotDeclared("not declared")):
+        connection, node = open_connection(urls)
+        with pytest.raises(type(raised)) as caught:
+            with setting_up(connection, node, "start"):
+                connection.channel()
+                raise raised
+        assert caught.value is raised
+        assert connection.is_closed
+        assert failover.order(urls)[0] == 0, "not a broker failure: the node is not marked lost"

@@ -18,7 +18,7 @@ import pika
 import pika.exceptions as px
 from pika.adapters.utils import connection_workflow
 
-from deferred.broker.errors import BrokerUnavailable
+from deferred.broker.errors import BrokerError, BrokerUnavailable
 
 logger = logging.getLogger("deferred.broker")
 
@@ -314,3 +314,26 @@ def close_quietly(connection: pika.BlockingConnection) -> None:
                 connection.close()
     except Exception:  # noqa: BLE001 - closing a broken connection
         pass
+
+
+@contextmanager
+def setting_up(connection: pika.BlockingConnection, node: Node, doing: str) -> Iterator[None]:
+    """Guard the set-up of a connection just opened (channels, declares, consumers).
+
+    Whatever fails, the connection is closed, so a failed start never leaks one.
+    A broker or network error also marks ``node`` lost, so the next attempt tries
+    another node first, and becomes ``BrokerUnavailable`` saying what was being
+    done; our own errors (``TopologyNotDeclared``...) pass through unchanged.
+    """
+    try:
+        yield
+    except BrokerError:
+        close_quietly(connection)
+        raise
+    except (*CONNECTION_ERRORS, px.AMQPError) as exc:
+        close_quietly(connection)
+        node.lost()
+        raise BrokerUnavailable(f"Could not {doing} at {node.address}: {exc!r}") from exc
+    except BaseException:
+        close_quietly(connection)
+        raise

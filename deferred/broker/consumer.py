@@ -21,6 +21,7 @@ from deferred.broker.connection import (
     as_urls,
     close_quietly,
     open_connection,
+    setting_up,
 )
 from deferred.broker.errors import NOT_DECLARED_HINT, BrokerUnavailable, TopologyNotDeclared
 
@@ -66,7 +67,7 @@ class Consumer:
         """Connect and start consuming; ``BrokerUnavailable`` or ``TopologyNotDeclared``."""
         self.close()
         connection, node = open_connection(self.urls)
-        try:
+        with setting_up(connection, node, "start consuming"):
             channel = connection.channel()
             channel.basic_qos(prefetch_count=self.prefetch)
             if self.shared_prefetch:
@@ -95,18 +96,6 @@ class Consumer:
                     )
 
                 self._tags.append(channel.basic_consume(queue, callback))
-        except (TopologyNotDeclared, BrokerUnavailable):
-            close_quietly(connection)
-            raise
-        except (*CONNECTION_ERRORS, px.AMQPError) as exc:
-            close_quietly(connection)
-            node.lost()
-            raise BrokerUnavailable(
-                f"Could not start consuming at {node.address}: {exc!r}"
-            ) from exc
-        except BaseException:
-            close_quietly(connection)
-            raise
         self._connection, self._channel, self.node = connection, channel, node
 
     def _on_broker_cancel(self, method: Any) -> None:

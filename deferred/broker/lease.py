@@ -20,8 +20,9 @@ from deferred.broker.connection import (
     as_urls,
     close_quietly,
     open_connection,
+    setting_up,
 )
-from deferred.broker.errors import BrokerUnavailable, TopologyNotDeclared
+from deferred.broker.errors import BrokerUnavailable
 
 logger = logging.getLogger("deferred.broker")
 
@@ -60,7 +61,7 @@ class Lease:
         """Join the queue's consumers; ``BrokerUnavailable`` / ``TopologyNotDeclared``."""
         self.close()
         connection, node = open_connection(self.urls, heartbeat=self.heartbeat_s)
-        try:
+        with setting_up(connection, node, "join the scheduler"):
             channel = connection.channel()
             if declared_queue(channel, self.queue, node).method.message_count == 0:
                 channel.basic_publish(
@@ -70,15 +71,6 @@ class Lease:
             channel.basic_consume(self.queue, self._on_token)
             confirm = connection.channel()
             confirm.confirm_delivery()
-        except (TopologyNotDeclared, BrokerUnavailable):
-            close_quietly(connection)
-            raise
-        except (*CONNECTION_ERRORS, px.AMQPError) as exc:
-            close_quietly(connection)
-            node.lost()
-            raise BrokerUnavailable(
-                f"Could not join the scheduler at {node.address}: {exc!r}"
-            ) from exc
         self._connection, self._channel, self._confirm = connection, channel, confirm
         self.node = node
 

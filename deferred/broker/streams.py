@@ -19,9 +19,10 @@ from deferred.broker.connection import (
     as_urls,
     close_quietly,
     open_connection,
+    setting_up,
     within_deadline,
 )
-from deferred.broker.errors import BrokerUnavailable, StreamGone, TopologyNotDeclared
+from deferred.broker.errors import BrokerUnavailable, StreamGone
 
 logger = logging.getLogger("deferred.broker")
 
@@ -75,7 +76,7 @@ class StreamFollower:
         """
         self.close()
         connection, node = open_connection(self.urls, timeout=timeout)
-        try:
+        with setting_up(connection, node, f"read stream {self.queue}"):
             channel = connection.channel()
             declared_queue(channel, self.queue, node)
             channel.basic_qos(prefetch_count=self.prefetch)
@@ -86,15 +87,6 @@ class StreamFollower:
                 self._on_delivery,
                 arguments={"x-stream-offset": "first" if offset is None else offset},
             )
-        except (TopologyNotDeclared, BrokerUnavailable):
-            close_quietly(connection)
-            raise
-        except (*CONNECTION_ERRORS, px.AMQPError) as exc:
-            close_quietly(connection)
-            node.lost()
-            raise BrokerUnavailable(
-                f"Could not read stream {self.queue} at {node.address}: {exc!r}"
-            ) from exc
         self._connection, self._channel, self.node = connection, channel, node
         self._unacked = self._last_tag = 0
 
