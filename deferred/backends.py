@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import importlib
 import logging
+import re
 import sys
 import traceback
 from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from functools import partial
+from importlib import metadata
 from typing import Any
 
 from django.apps import apps
@@ -56,11 +58,29 @@ def _framework_package() -> str:
         return package
     raise ImproperlyConfigured(
         "deferred.backends.RabbitMQBackend needs django.tasks (Django 6) or, on "
-        "Django 5.2, the backport: pip install django-tasks."
+        "Django 5.2, the backport: pip install 'django-tasks>=0.12'."
     )
 
 
+#: The oldest django-tasks (the backport, on Django 5.2) the backend works with:
+#: 0.12 follows Django 6's django.tasks API (its SUCCESSFUL status, for one;
+#: older releases say SUCCEEDED, and every job would fail at its end).
+MIN_BACKPORT = (0, 12)
+
+
+def _check_backport_release(version: str) -> None:
+    """Refuse a django-tasks older than ``MIN_BACKPORT`` at once, by its version."""
+    release = tuple(int(part) for part in re.findall(r"\d+", version)[:2])
+    if release < MIN_BACKPORT:
+        raise ImproperlyConfigured(
+            f"deferred.backends.RabbitMQBackend needs django-tasks 0.12 or newer; "
+            f"{version} is installed: pip install -U 'django-tasks>=0.12'."
+        )
+
+
 _package = _framework_package()
+if _package == "django_tasks":
+    _check_backport_release(metadata.version("django-tasks"))
 _api = importlib.import_module(_package)
 _base = importlib.import_module(f"{_package}.base")
 _exceptions = importlib.import_module(f"{_package}.exceptions")

@@ -446,3 +446,15 @@ def test_a_job_naming_a_backend_alias_that_is_not_ours_imports_nothing(clean, ru
     assert entry.reason == "unknown_task"
     assert "TASKS['nope']" in (entry.error or "")
     assert "tests.testapp.import_marker" not in sys.modules
+
+
+def test_a_django_tasks_release_older_than_0_12_is_refused_by_name():
+    from django.core.exceptions import ImproperlyConfigured
+
+    from deferred.backends import _check_backport_release
+
+    for old in ("0.11.0", "0.9", "0.10.2"):  # SUCCEEDED, not Django 6's SUCCESSFUL
+        with pytest.raises(ImproperlyConfigured, match=rf"0\.12 or newer; {re.escape(old)} is"):
+            _check_backport_release(old)
+    for new in ("0.12.0", "0.12", "0.13.1", "1.0.0rc1"):
+        _check_backport_release(new)
