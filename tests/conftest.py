@@ -15,6 +15,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pika
@@ -81,13 +82,10 @@ def topology(broker_url: str) -> Iterator[Plan]:
             admin.delete_everything(each)
 
 
-@pytest.fixture
-def own_topology(broker_url: str) -> Iterator[Plan]:
-    """A topology under a PREFIX of the test's own, deleted after the test.
-
-    The session topology may still hold delayed jobs of earlier tests; a test
-    that counts what waits where needs queues nobody else publishes to.
-    """
+@contextmanager
+def topology_of_its_own(broker_url: str) -> Iterator[Plan]:
+    """Declare a topology under a new PREFIX, in force (settings) until the block ends,
+    then delete it."""
     prefix = f"{settings.DEFERRED['PREFIX']}-{uuid.uuid4().hex[:6]}"
     with override_settings(DEFERRED={**settings.DEFERRED, "PREFIX": prefix}):
         call_command("declare_delay_topology", verbosity=0)
@@ -98,6 +96,17 @@ def own_topology(broker_url: str) -> Iterator[Plan]:
             with admin_channel(broker_url) as admin:
                 for each in _every_plan(admin, plan):
                     admin.delete_everything(each)
+
+
+@pytest.fixture
+def own_topology(broker_url: str) -> Iterator[Plan]:
+    """A topology under a PREFIX of the test's own, deleted after the test.
+
+    The session topology may still hold delayed jobs of earlier tests; a test
+    that counts what waits where needs queues nobody else publishes to.
+    """
+    with topology_of_its_own(broker_url) as plan:
+        yield plan
 
 
 @pytest.fixture

@@ -139,7 +139,7 @@ def test_the_worker_runs_retries_and_fails_jobs_but_cannot_delete(
             ),
             15,
         )
-        assert worker.outcomes["retrying"] == 1
+        assert wait_for(lambda: worker.outcomes["retrying"] == 1, 5), worker.outcomes
         # A failure record goes to the failed queue, and a re-drive brings it back.
         defer(record, 0, "/nonexistent/dir/file", "fails")
         assert wait_for(lambda: depth(raw_channel, own_topology.failed_queue.name) == 1, 10)

@@ -31,7 +31,8 @@ def timed(path: str, label: str) -> None:
 
 @task(name="tests.tick")
 def tick() -> None:
-    """Scheduled by the recurring-job tests (DEFERRED_TEST_EVERY); records its occurrence."""
+    """Scheduled by the recurring-job tests (DEFERRED_TEST_EVERY); records its occurrence
+    and its due time (later than the occurrence only for a missed one, run at once)."""
     job = current_job()
     assert job is not None and job.occurrence is not None
     _append(
@@ -40,6 +41,7 @@ def tick() -> None:
         event="ran",
         job=job.id,
         occurrence=job.occurrence.timestamp(),
+        due=job.due.timestamp(),
     )
 
 
