@@ -4,6 +4,7 @@ and async task functions run by the worker."""
 from __future__ import annotations
 
 import asyncio
+import statistics
 import time
 from datetime import timedelta
 
@@ -101,7 +102,12 @@ def test_the_event_loop_keeps_running_while_jobs_are_published(clean, records):
 
     lags = asyncio.run(main())
     assert len(lags) > 10, "the ticker hardly ran: the loop was blocked"
-    assert max(lags) < 0.5, f"the loop stood still for {max(lags) * 1000:.0f} ms"
+    # A loop blocked by each publish would show many long lags; one stall of
+    # the whole process on a loaded host shows as a single one.
+    assert statistics.median(lags) < 0.05, (
+        f"the loop stood still for {statistics.median(lags) * 1000:.0f} ms (median)"
+    )
+    assert max(lags) < 2.0, f"the loop stood still for {max(lags) * 1000:.0f} ms"
 
 
 def test_inside_atomic_adefer_publishes_after_the_commit_and_never_for_a_rollback(

@@ -21,7 +21,7 @@ from deferred.conf import get_settings
 from deferred.jobs import due_of, new_job_id, utcnow
 from deferred.testing import capture
 from tests.conftest import depth, rabbitmqctl, wait_for
-from tests.testapp.tasks import flaky, read_records, record, slow_fail
+from tests.testapp.tasks import patient_flaky, read_records, record, slow_fail
 
 pytestmark = pytest.mark.usefixtures("clean")
 
@@ -58,18 +58,26 @@ def depth_of_ready(plan) -> int:
 
 def test_a_cancel_issued_100_ms_before_the_due_time_wins(clean, run_worker, records):
     # A running worker whose reader follows the stream; each job is cancelled
-    # 100 ms before it is due, so the cancel races the job to the worker.
+    # 100 ms before it is due (by the due time its id carries, not by the clock
+    # before defer(), which a slow publish would eat into), so the cancel races
+    # the job to the worker.
     run_worker(concurrency=4)
-    ids = []
+    in_time = []
     for n in range(20):
         job_id = defer(record, 0.4, records, f"raced-{n}")
-        time.sleep(0.3)
+        due = due_of(job_id)
+        assert due is not None
+        time.sleep(max(0.0, due.timestamp() - 0.1 - time.time()))
         cancel(job_id)
-        ids.append(job_id)
+        # The promise holds for a cancel confirmed before the due time; on a
+        # stalled host a few may miss it, and those are free to run.
+        if time.time() < due.timestamp():
+            in_time.append(f"raced-{n}")
         defer(record, 0, records, f"marker-{n}")
+    assert len(in_time) >= 15, f"only {len(in_time)} of 20 cancels were confirmed in time"
     assert wait_for(lambda: len(labels(records)) >= 20, 15)
     time.sleep(0.8)
-    assert not [label for label in labels(records) if label.startswith("raced")]
+    assert not [label for label in labels(records) if label in in_time]
 
 
 def test_a_cancel_holds_across_a_worker_restart(clean, run_worker, records):
@@ -87,13 +95,13 @@ def test_a_cancel_holds_across_a_worker_restart(clean, run_worker, records):
 
 
 def test_cancelling_during_a_retry_backoff_stops_the_retries(clean, run_worker, records):
-    # flaky fails its first three attempts and waits 0.5 s before its first retry.
+    # patient_flaky fails its first attempts and waits 3 s before its first retry.
     worker = run_worker()
-    job_id = defer(flaky, 0, records, "flaky", 3)
+    job_id = defer(patient_flaky, 0, records, "flaky", 3)
     assert wait_for(lambda: worker.outcomes["retrying"] == 1, 10)
     cancel(job_id)  # during the backoff
     assert wait_for(lambda: worker.outcomes["cancelled"] == 1, 10)
-    time.sleep(1.5)  # the second retry would have come by now
+    time.sleep(1.0)  # the retry, 3 s after the first attempt, would have come by now
     assert [r["attempt"] for r in read_records(records)] == [1]
     assert worker.outcomes["retrying"] == 1
 
@@ -232,17 +240,18 @@ def test_public_names():
 def test_a_thousand_jobs_half_cancelled_before_during_and_across_a_restart(
     clean, worker_process, records
 ):
-    # Given 1,000 jobs due in 3-8 s,
+    # Given 1,000 jobs due in 5-10 s (timed from before defer_many(), which
+    # fixes their due times as it starts),
     rng = random.Random(11)
-    delays = [3 + 5 * rng.random() for _ in range(1000)]
-    ids = defer_many([(record, d, (records, f"job-{n}")) for n, d in enumerate(delays)])
+    delays = [5 + 5 * rng.random() for _ in range(1000)]
     started = time.monotonic()
+    ids = defer_many([(record, d, (records, f"job-{n}")) for n, d in enumerate(delays)])
     by_delay = sorted(range(1000), key=lambda n: delays[n])
     # cancels that reach the broker before each job is due: the last group,
     # sent while no worker runs, among the latest jobs.
-    restart_group = rng.sample([n for n in by_delay if delays[n] >= 7], 100)
+    restart_group = rng.sample([n for n in by_delay if delays[n] >= 9], 100)
     running_group = rng.sample(
-        [n for n in by_delay if delays[n] >= 5 and n not in restart_group], 200
+        [n for n in by_delay if delays[n] >= 7 and n not in restart_group], 200
     )
     taken = {*restart_group, *running_group}
     before_group = rng.sample([n for n in range(1000) if n not in taken], 200)
@@ -253,12 +262,12 @@ def test_a_thousand_jobs_half_cancelled_before_during_and_across_a_restart(
     # 200 while it runs, one call each,
     for n in running_group:
         cancel(ids[n])
-    assert time.monotonic() - started < 5, "too slow to cancel before the jobs are due"
+    assert time.monotonic() - started < 7, "too slow to cancel before the jobs are due"
     # and 100 while it restarts,
     first.signal(signal.SIGTERM)
     assert first.wait(30) == 0
     cancel_many([ids[n] for n in restart_group])
-    assert time.monotonic() - started < 7, "too slow to cancel before the jobs are due"
+    assert time.monotonic() - started < 9, "too slow to cancel before the jobs are due"
     second = worker_process("--concurrency", "4")
     # then the 500 others run exactly once, and none of the 500 cancelled does.
     kept = {f"job-{n}" for n in range(1000) if n not in cancelled}
@@ -285,7 +294,7 @@ def test_a_worker_declares_a_missing_cancels_stream_and_runs_jobs(
     assert wait_for(lambda: labels(records) == ["ran"], 15)
     assert worker.cancels.connected.is_set()
     # and cancels work from then on.
-    gone = defer(record, 0.3, records, "gone")
+    gone = defer(record, 2, records, "gone")
     cancel(gone)
     assert wait_for(lambda: worker.outcomes["cancelled"] == 1, 10)
     assert labels(records) == ["ran"]
@@ -303,8 +312,8 @@ def test_a_stream_deleted_under_a_running_worker_is_declared_again(
     assert wait_for(lambda: _exists(own_topology.cancels_queue.name), 10)
     reads = lambda: [m for m in caplog.messages if " the cancels: " in m]  # noqa: E731
     assert wait_for(lambda: len(reads()) == 2, 10)
-    gone = defer(record, 0.5, records, "gone")
-    defer(record, 0.5, records, "kept")
+    gone = defer(record, 2, records, "gone")
+    defer(record, 2, records, "kept")
     cancel(gone)
     assert wait_for(lambda: labels(records) == ["kept"], 15)
     assert wait_for(lambda: worker.outcomes["cancelled"] == 1, 5)

@@ -157,8 +157,10 @@ def test_changing_the_radix_strands_no_pending_job(broker_url, run_worker, recor
         old = current_plan()
         due = {}
         for n in range(15):
-            due[f"old-{n}"] = time.time() + 0.8 + n * 0.05
-            defer(record, 0.8 + n * 0.05, records, f"old-{n}")
+            # Long enough to still wait while the new topology is declared
+            # and listed on a loaded host.
+            due[f"old-{n}"] = time.time() + 4 + n * 0.05
+            defer(record, 4 + n * 0.05, records, f"old-{n}")
         # A deploy with a new radix: the new topology is declared beside the old.
         with override_settings(DEFERRED={**base, "RADIX": 4}):
             assert "Declared topology r4." in run()

@@ -180,7 +180,7 @@ def test_a_task_that_takes_a_context_gets_the_attempt_number(clean, run_worker, 
             run_worker()
             result = flaky.enqueue(str(path), 2)
             assert wait_for(lambda: len(lines(path)) == 3, 15)
-            time.sleep(0.2)
+            assert wait_for(lambda: len(events) == 6, 5), events
     finally:
         _signals.task_started.disconnect(started)
         _signals.task_finished.disconnect(finished)

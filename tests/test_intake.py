@@ -70,7 +70,7 @@ headers = st.none() | st.dictionaries(
 FIELDS = ["version", "id", "task", "args", "kwargs", "due", "queue", "attempt", "created"]
 
 
-@settings(max_examples=400, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(body=st.binary(max_size=LIMIT * 2), headers=headers)
 def test_random_bytes_and_headers_never_raise(body, headers):
     result = check(body, headers)
@@ -78,7 +78,7 @@ def test_random_bytes_and_headers_never_raise(body, headers):
         assert result.reason == intake.TOO_LARGE and not result.keep_body
 
 
-@settings(max_examples=400)
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(value=json_values)
 def test_random_json_signed_or_not_maps_to_a_reason(value):
     body = json.dumps(value).encode()
@@ -89,7 +89,7 @@ def test_random_json_signed_or_not_maps_to_a_reason(value):
             assert result.reason == intake.BAD_SIGNATURE
 
 
-@settings(max_examples=300)
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     field=st.sampled_from(FIELDS),
     value=json_values,
@@ -103,7 +103,7 @@ def test_a_field_of_the_wrong_type_is_invalid_not_an_error(field, value):
         assert result.reason in (INVALID, intake.TOO_LARGE)
 
 
-@settings(max_examples=200)
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cut=st.integers(min_value=0, max_value=400))
 def test_a_truncated_body_is_refused(cut):
     body = a_job().encode()
@@ -112,7 +112,7 @@ def test_a_truncated_body_is_refused(cut):
     assert check(part, signed(part)).reason in (UNDECODABLE, INVALID)
 
 
-@settings(max_examples=200)
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(position=st.integers(min_value=0), flip=st.integers(min_value=1, max_value=255))
 def test_one_altered_byte_breaks_the_signature(position, flip):
     body = bytearray(a_job().encode())
@@ -155,7 +155,7 @@ record_like = st.fixed_dictionaries(
 )
 
 
-@settings(max_examples=400)
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     body=st.binary(max_size=300) | record_like.map(lambda r: json.dumps(r).encode()),
     headers=headers,

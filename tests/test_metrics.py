@@ -90,10 +90,12 @@ def test_worker_counters_match_the_jobs_it_ran(clean, records, worker_process):
             m.get(("deferred_jobs_total", (("outcome", "failed"), ("queue", "default"), bad))),
         )
 
-    assert wait_for(lambda: counted() == (7, 3), 5), counted()
-    m = scrape(url)
     # The forged task is counted under "unknown", never under its own name.
     unknown = (("outcome", "failed"), ("queue", "default"), ("task", "unknown"))
+    assert wait_for(
+        lambda: counted() == (7, 3) and scrape(url).get(("deferred_jobs_total", unknown)) == 1, 5
+    ), counted()
+    m = scrape(url)
     assert m[("deferred_jobs_total", unknown)] == 1
     assert not any("no.such.task" in str(labels) for _name, labels in m)
     # Every job that ran has a lateness and a duration; nothing is running now.

@@ -65,7 +65,7 @@ def test_three_workers_run_each_occurrence_of_a_1s_schedule_exactly_once(
     assert all(b - a == 1.0 for a, b in itertools.pairwise(instants)), instants
     # never early, not grossly late
     lateness = [r["at"] - r["occurrence"] for r in rows]
-    assert min(lateness) >= 0 and max(lateness) < 1.0, (min(lateness), max(lateness))
+    assert min(lateness) >= 0 and max(lateness) < 3.0, (min(lateness), max(lateness))
     assert len({r["job"] for r in rows}) == len(rows)
 
 

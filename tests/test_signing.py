@@ -224,7 +224,8 @@ def test_five_thousand_random_bodies_among_five_hundred_jobs(
     assert sorted(labels(records)) == sorted(f"job-{n}" for n in range(500))
     reasons = {e.reason for e in failed()}
     assert reasons == {"bad_signature", "undecodable", "invalid"}
-    assert worker.consuming.is_set() and worker.outcomes["failed"] == 5000
+    assert wait_for(lambda: worker.outcomes["failed"] == 5000, 10), worker.outcomes["failed"]
+    assert worker.consuming.is_set()
 
 
 def test_a_redelivered_job_with_a_bad_count_header_still_runs_once(

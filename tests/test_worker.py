@@ -93,15 +93,16 @@ def test_a_job_delivered_early_waits_for_the_rest(clean, raw_channel, run_worker
 
 
 def test_long_task_keeps_heartbeats_alive(clean, broker_url, run_worker, records):
-    # Heartbeat every second; the task runs for five. If the I/O thread stopped
+    # Heartbeat every 2 s; the task runs for six. If the I/O thread stopped
     # heart-beating, RabbitMQ would close the connection and redeliver the job.
-    url = broker_url + ("&" if "?" in broker_url else "?") + "heartbeat=1"
+    # (Not every second: one stall of a loaded host could miss two beats.)
+    url = broker_url + ("&" if "?" in broker_url else "?") + "heartbeat=2"
     with override_settings(
         DEFERRED={"BROKER_URL": url, "PREFIX": clean.prefix, "QUEUES": ["default", "other"]}
     ):
         worker = run_worker()
         generation = worker.consumer.generation
-        defer(sleepy, 0, records, "long", 5)
+        defer(sleepy, 0, records, "long", 6)
         assert wait_for(lambda: any(r["event"] == "end" for r in read_records(records)), 15)
         time.sleep(1.5)
         assert [r["event"] for r in read_records(records)] == ["start", "end"]
@@ -176,19 +177,30 @@ def test_close_old_connections_runs_around_each_job(clean, run_worker, records, 
 def test_prefetch_caps_unacked_jobs_at_the_concurrency_across_queues(clean, run_worker, records):
     run_worker(concurrency=1)
     for n in range(3):
-        defer(sleepy, 0, records, f"d{n}", 1.0)
-        sleepy.using(queue="other").defer(0, records, f"o{n}", 1.0)
+        defer(sleepy, 0, records, f"d{n}", 1.5)
+        sleepy.using(queue="other").defer(0, records, f"o{n}", 1.5)
     assert wait_for(lambda: read_records(records), 10)
     ready = {q.name for q in clean.ready_queues.values()}
-    listed = rabbitmqctl(
-        "list_queues", "name", "messages_unacknowledged", "-q", "--no-table-headers"
-    )
-    unacked = sum(
-        int(line.split()[1])
-        for line in listed.splitlines()
-        if line.split() and line.split()[0] in ready
-    )
-    assert unacked == 1
+
+    def unacked() -> int:
+        listed = rabbitmqctl(
+            "list_queues", "name", "messages_unacknowledged", "-q", "--no-table-headers"
+        )
+        return sum(
+            int(line.split()[1])
+            for line in listed.splitlines()
+            if line.split() and line.split()[0] in ready
+        )
+
+    # rabbitmqctl reads the two queues one after the other, not at one
+    # instant: a read across a hand-over (one job acked, the next delivered)
+    # can count 2. A prefetch of 1 per queue would read 2 every time.
+    reads = []
+    for _ in range(3):
+        reads.append(unacked())
+        if reads[-1] == 1:
+            break
+    assert reads[-1] == 1, reads
 
 
 def test_pending_jobs_survive_a_broker_restart(clean, run_worker, records):
@@ -196,7 +208,7 @@ def test_pending_jobs_survive_a_broker_restart(clean, run_worker, records):
     # The delay leaves room for rabbitmqctl itself, which takes seconds to start
     # an Erlang VM on a loaded machine: the jobs must still be waiting when the
     # broker goes down, or the test proves nothing.
-    delay = 6.0
+    delay = 20.0
     worker = run_worker()
     generation = worker.consumer.generation
     start = time.time()

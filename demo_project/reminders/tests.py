@@ -232,8 +232,10 @@ def test_a_cancelled_reminder_never_runs_and_its_neighbour_does(client: Client) 
     thread.start()
     try:
         assert worker.consuming.wait(10), "the worker did not start consuming"
-        client.post("/", {"message": "cancel me", "delay_seconds": "1"})
-        client.post("/", {"message": "keep me", "delay_seconds": "1"})
+        # Due in 3 s: time enough for the cancel to reach the broker first
+        # on a loaded host.
+        client.post("/", {"message": "cancel me", "delay_seconds": "3"})
+        client.post("/", {"message": "keep me", "delay_seconds": "3"})
         gone = Reminder.objects.get(message="cancel me")
         kept = Reminder.objects.get(message="keep me")
         assert client.post(f"/reminders/{gone.pk}/cancel").status_code == 302

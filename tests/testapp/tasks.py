@@ -84,6 +84,12 @@ def flaky(path: str, label: str, failures: int) -> None:
         raise ConnectionError(f"attempt {attempt}: the service is down")
 
 
+@task(name="tests.patient_flaky", max_retries=3, retry_backoff=[3.0])
+def patient_flaky(path: str, label: str, failures: int) -> None:
+    """flaky with a backoff long enough to act in on a loaded host."""
+    flaky.func(path, label, failures)
+
+
 @task(name="tests.always_fails", max_retries=2, retry_backoff=[0.1])
 def always_fails(path: str, label: str) -> None:
     _append(path, label=label, event="attempt", attempt=_attempt())
