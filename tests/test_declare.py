@@ -205,3 +205,37 @@ def test_exchange_of_another_type_is_a_clear_error(broker_url):
         finally:
             with admin_channel(broker_url) as admin:
                 admin.channel.exchange_delete(ingest)
+
+
+def test_a_binding_the_broker_refuses_is_a_clear_error_and_the_others_stand(broker_url):
+    # Bindings are pipelined (nowait): a refused one must still surface, named,
+    # and the one sent before it must have been made.
+    from deferred.broker import BrokerError
+    from deferred.topology import Binding
+
+    def bound(b: Binding) -> bool:
+        listed = rabbitmqctl(
+            "list_bindings",
+            "source_name",
+            "destination_name",
+            "routing_key",
+            "-q",
+            "--no-table-headers",
+        )
+        return (b.source, b.destination, b.routing_key) in {
+            tuple(line.split("\t")) for line in listed.splitlines()
+        }
+
+    with own_prefix(broker_url, RADIX=16):
+        run()
+        plan = current_plan()
+        first = plan.bindings[0]
+        with admin_channel(broker_url) as admin:
+            admin.channel.queue_unbind(first.destination, first.source, first.routing_key)
+            assert not bound(first)
+            missing = Binding(f"{plan.prefix}.no-such-exchange", first.destination, "x")
+            with pytest.raises(BrokerError, match=r"refused a binding.*no-such-exchange"):
+                admin.bind(plan, [first, missing])
+            assert bound(first)
+            # The admin goes on, on a fresh channel.
+            assert admin.queue_exists(first.destination)
