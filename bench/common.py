@@ -257,6 +257,23 @@ class Worker:
     def rss_mb(self) -> float:
         return rss_mb(self.proc.pid)
 
+    def succeeded(self) -> int:
+        """Jobs run so far: the notes are written at exit, the log has a line per
+        job meanwhile (at INFO, which BENCH_LOG_LEVEL must leave on)."""
+        return self.log().count("outcome=succeeded")
+
+    def wait_for_runs(self, count: int, delay: float, timeout: float = 60) -> None:
+        """Sleep ``delay`` (the last job's), then until ``count`` jobs ran, then a second more.
+
+        A fixed sleep past the longest delay counted a job that a loaded host
+        ran a moment later as never run. The second after lets a late
+        duplicate show.
+        """
+        time.sleep(delay)
+        if not wait_until(lambda: self.succeeded() >= count, timeout, interval=0.25):
+            print(f"   only {self.succeeded()} of {count} jobs ran within {timeout} s", flush=True)
+        time.sleep(1.0)
+
     def log(self) -> str:
         return self.log_path.read_text() if self.log_path.exists() else ""
 

@@ -13,7 +13,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from bench.common import Config, Worker, summary, topology, wait_until
+from bench.common import Config, Worker, summary, topology
 from bench.tasks import framework_noop, noop
 from deferred import defer, failures, status
 from deferred.conf import get_settings
@@ -56,7 +56,7 @@ def run(n: int, late_jobs: int, failed: int) -> dict[str, Any]:
         for k in range(late_jobs):
             wait = timedelta(seconds=random.uniform(0, 2))
             framework_noop.using(run_after=utcnow() + wait).enqueue(k)
-        wait_until(lambda: _seen_count(worker) >= late_jobs, 30)
+        worker.wait_for_runs(late_jobs, 0, 30)
         rows = worker.stop()
         results["enqueue_lateness_ms"] = summary([late for _id, _at, late in rows])
         results["enqueue_jobs_run"] = len(rows)
@@ -77,8 +77,3 @@ def run(n: int, late_jobs: int, failed: int) -> dict[str, Any]:
         results["status_failed"] = failed
         results["status_with_failed_ms"] = summary(_status_ms(20))
     return results
-
-
-def _seen_count(worker: Worker) -> int:
-    # The worker writes its notes at exit; its log has one line per job meanwhile.
-    return worker.log_path.read_text().count("outcome=succeeded")

@@ -56,7 +56,7 @@ def run(pending: int, config: Config | None = None) -> dict[str, Any]:
 
         # A sample of short jobs among them: all run, once, none early.
         ids = defer_many([(noop, rng.uniform(0.1, 2.0), (k,)) for k in range(200)])
-        time.sleep(3.0)  # past the longest delay of the sample (2 s)
+        worker.wait_for_runs(len(ids), 2.0)  # the longest delay of the sample
         ran = worker.stop()
         ran_ids = [job_id for job_id, _at, _late in ran]
         out["sample"] = {

@@ -101,7 +101,7 @@ def run_point(
         with cpu_meter(broker_pids(config.urls)) as cpu:
             achieved = _produce(rate, seconds, delay_of, threads=4, delays=delays)
             # Let the last jobs come due and run.
-            time.sleep(max(delays, default=0) + 1.0)
+            worker.wait_for_runs(len(warm) + len(delays), max(delays, default=0))
         ran = [row for row in worker.stop() if row[0] not in warm]
     lateness = [late for _id, _at, late in ran]
     hops = [plan.hops(int(d * 1000)) for d in delays]

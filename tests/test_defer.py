@@ -76,17 +76,15 @@ def test_naive_single_queue_with_per_message_ttl_delivers_late_and_out_of_order(
 def test_randomized_200_jobs_each_once_never_early(records, run_worker, capsys):
     run_worker(concurrency=4)
     rng = random.Random(2026)
-    due: dict[str, float] = {}
     for n in range(200):
-        delay = rng.uniform(0, 3.0)
-        due[str(n)] = time.time() + delay
-        defer(record, delay, records, str(n))
+        defer(timed, rng.uniform(0, 3.0), records, str(n))
     assert wait_for(lambda: len(read_records(records)) >= 200, 30)
     time.sleep(0.5)  # anything that would run twice has had time to
     runs = read_records(records)
     labels = [r["label"] for r in runs]
-    assert sorted(labels, key=int) == sorted(due, key=int), "each job runs exactly once"
-    lateness_ms = sorted((r["at"] - due[r["label"]]) * 1000 for r in runs)
+    assert sorted(labels, key=int) == [str(n) for n in range(200)], "each job runs exactly once"
+    # Lateness from the due time each job carries (fixed as defer() starts).
+    lateness_ms = sorted((r["at"] - r["due"]) * 1000 for r in runs)
     assert lateness_ms[0] >= 0, f"a job ran {-lateness_ms[0]:.1f} ms early"
     p50 = statistics.median(lateness_ms)
     p99 = lateness_ms[int(len(lateness_ms) * 0.99) - 1]
@@ -95,7 +93,7 @@ def test_randomized_200_jobs_each_once_never_early(records, run_worker, capsys):
             f"\n200 random jobs 0-3000 ms: lateness p50 {p50:.1f} ms, p99 {p99:.1f} ms, "
             f"max {lateness_ms[-1]:.1f} ms"
         )
-    assert p99 < 4000, "grossly late"
+    assert p99 < 2000, "grossly late"
 
 
 def test_defer_returns_the_job_id_carried_by_the_message(clean, raw_channel):
