@@ -34,8 +34,9 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
@@ -56,6 +57,11 @@ LOOKAHEAD = timedelta(seconds=5)
 TICK_S = 0.25
 #: An occurrence due more than this long ago when it is planned was missed.
 GRACE = timedelta(seconds=1)
+#: A reader of the record queue that finds no record reads it again this many
+#: times, this far apart (the leader may be holding it for its tick, or a
+#: reader for its read, when a new leader reads it first).
+PEEK_ATTEMPTS = 5
+PEEK_RETRY_S = 0.05
 #: The lease connection's heartbeat: how long a silently lost scheduler holds
 #: the lease (RabbitMQ gives it away after two missed heartbeats).
 HEARTBEAT_S = 5
@@ -372,6 +378,17 @@ class Scheduler:
 
         messages, done = self.lease.read_records()
         records, commands = read(signed_bodies(messages, self.settings))
+        attempts = 1
+        while not records.seq and self._records is None and attempts < PEEK_ATTEMPTS:
+            # No record, and none written by this leader yet: a reader (the
+            # status page, deferred_schedules) may hold it for a moment. Starting
+            # from an empty record would plan again what was planned and lift
+            # pauses, so it is read again before it is taken to be absent.
+            done(False)
+            self._stop.wait(PEEK_RETRY_S)
+            messages, done = self.lease.read_records()
+            records, commands = read(signed_bodies(messages, self.settings))
+            attempts += 1
         if self._records is not None and self._records.seq > records.seq:
             records = self._records
         records.leader = self.worker_name
@@ -447,10 +464,34 @@ class Overview:
 def overview(settings: DeferredSettings, now: datetime | None = None) -> Overview:
     """Every schedule of this code base, with what the broker's record says of it."""
     topology = plan_topology(settings)
-    messages = broker.peek(
-        settings.broker_urls, topology.schedules_queue.name, timeout=settings.publish_timeout_s
+    return read_overview(
+        lambda: broker.peek(
+            settings.broker_urls, topology.schedules_queue.name, timeout=settings.publish_timeout_s
+        ),
+        settings,
+        now,
     )
-    return overview_of(signed_bodies(messages, settings), settings, now or utcnow())
+
+
+def read_overview(
+    peek: Callable[[], list[tuple[bytes, dict[str, Any]]]],
+    settings: DeferredSettings,
+    now: datetime | None = None,
+) -> Overview:
+    """:func:`overview_of` the record queue as ``peek`` reads it, read again while it
+    shows no record.
+
+    The leader holds the record (unacked) for the few milliseconds of each
+    tick, every ``TICK_S``: a reader that comes then finds the queue empty,
+    and would show every schedule as never planned and none paused. A queue
+    that stays empty across the retries has no record yet.
+    """
+    for attempt in range(PEEK_ATTEMPTS):
+        bodies = signed_bodies(peek(), settings)
+        if read(bodies)[0].seq or attempt == PEEK_ATTEMPTS - 1:
+            break
+        time.sleep(PEEK_RETRY_S)
+    return overview_of(bodies, settings, now or utcnow())
 
 
 def overview_of(bodies: list[bytes], settings: DeferredSettings, now: datetime) -> Overview:

@@ -31,7 +31,7 @@ from deferred.cancels import read_cancels
 from deferred.cluster import ClusterView
 from deferred.conf import DeferredSettings
 from deferred.failures import FailedJob, parse_failed
-from deferred.scheduler import Overview, overview_of, scheduled_tasks, signed_bodies
+from deferred.scheduler import Overview, read_overview, scheduled_tasks
 from deferred.topology import Plan, Queue, plan_topology, recorded_plan
 
 #: The chart's buckets: (label, the longest wait that falls in it, in ms).
@@ -369,9 +369,12 @@ def collect(settings: DeferredSettings, *, read_failed: bool = True) -> Status:
         has_cancels = admin.queue_exists(plan.cancels_queue.name)
         schedules = None
         if scheduled_tasks(settings) and admin.queue_exists(plan.schedules_queue.name):
-            with admin.take_all(plan.schedules_queue.name) as (_channel, taken):
-                bodies = signed_bodies([(t.body, t.headers) for t in taken], settings)
-            schedules = overview_of(bodies, settings, datetime.now(UTC))
+
+            def peek() -> list[tuple[bytes, dict[str, Any]]]:
+                with admin.take_all(plan.schedules_queue.name) as (_channel, taken):
+                    return [(t.body, t.headers) for t in taken]
+
+            schedules = read_overview(peek, settings, datetime.now(UTC))
     view, api_queues = cluster.observe(
         settings,
         prefix=plan.prefix,
