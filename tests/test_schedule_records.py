@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Iterator
 from io import StringIO
 
 import pika
+import pytest
 from django.conf import settings
 from django.core.management import call_command
 from django.test import override_settings
@@ -63,25 +65,30 @@ def _held_for(broker_url: str, queue: str, seconds: float) -> threading.Thread:
     return thread
 
 
-def test_a_record_held_by_the_leaders_tick_is_read_once_it_is_back(
-    own_topology, broker_url, raw_channel
-):
-    # Given the record says "paused"
-    queue = own_topology.schedules_queue.name
+@pytest.fixture
+def paused_record(own_topology, raw_channel) -> Iterator[str]:
+    """Settings scheduling ``tests.tick`` under ``own_topology``, whose record says
+    "paused"; yields the record queue's name."""
     here = {**settings.DEFERRED, "PREFIX": own_topology.prefix}
     here["SCHEDULES"] = {"tests.tick": every(seconds=1)}
     with override_settings(DEFERRED=here):
         _write_paused_record(raw_channel, own_topology)
-        # When the leader holds it for a tick (100 ms) while the command reads it,
-        holder = _held_for(broker_url, queue, 0.1)
-        seen = overview(get_settings())
-        holder.join()
-        # and again while the status reads it,
-        holder = _held_for(broker_url, queue, 0.1)
-        out = StringIO()
-        call_command("deferred_status", "--json", stdout=out)
-        holder.join()
-        status = json.loads(out.getvalue())["schedules"]
+        yield own_topology.schedules_queue.name
+
+
+def test_a_record_held_by_the_leaders_tick_is_read_once_it_is_back(paused_record, broker_url):
+    # Given the record says "paused"
+    queue = paused_record
+    # When the leader holds it for a tick (100 ms) while the command reads it,
+    holder = _held_for(broker_url, queue, 0.1)
+    seen = overview(get_settings())
+    holder.join()
+    # and again while the status reads it,
+    holder = _held_for(broker_url, queue, 0.1)
+    out = StringIO()
+    call_command("deferred_status", "--json", stdout=out)
+    holder.join()
+    status = json.loads(out.getvalue())["schedules"]
     # Then both show the record, not an empty queue's "never planned, not paused"
     (info,) = seen.schedules
     assert info.paused and seen.leader == "worker-a"
@@ -90,26 +97,22 @@ def test_a_record_held_by_the_leaders_tick_is_read_once_it_is_back(
 
 
 def test_a_new_leader_whose_first_read_meets_a_reader_keeps_the_pause_and_plans_nothing(
-    own_topology, broker_url, raw_channel
+    paused_record, own_topology, broker_url, raw_channel
 ):
     from deferred.scheduler import Scheduler, read
 
     # Given the record says "paused" and a worker just took the lease
-    queue = own_topology.schedules_queue.name
-    here = {**settings.DEFERRED, "PREFIX": own_topology.prefix}
-    here["SCHEDULES"] = {"tests.tick": every(seconds=1)}
-    with override_settings(DEFERRED=here):
-        _write_paused_record(raw_channel, own_topology)
-        scheduler = Scheduler(get_settings(), "worker-b")
-        scheduler.lease.connect()
-        try:
-            assert wait_for(lambda: scheduler.lease.poll(0.1), 10)
-            # When its first tick comes while a reader holds the record (100 ms)
-            holder = _held_for(broker_url, queue, 0.1)
-            scheduler.tick()
-            holder.join()
-        finally:
-            scheduler.lease.close()
+    queue = paused_record
+    scheduler = Scheduler(get_settings(), "worker-b")
+    scheduler.lease.connect()
+    try:
+        assert wait_for(lambda: scheduler.lease.poll(0.1), 10)
+        # When its first tick comes while a reader holds the record (100 ms)
+        holder = _held_for(broker_url, queue, 0.1)
+        scheduler.tick()
+        holder.join()
+    finally:
+        scheduler.lease.close()
     # Then it planned nothing, and its record still says "paused"
     assert total_waiting(raw_channel, own_topology) == 0
     bodies = []

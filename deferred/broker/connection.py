@@ -18,7 +18,7 @@ import pika
 import pika.exceptions as px
 from pika.adapters.utils import connection_workflow
 
-from deferred.broker.errors import BrokerError, BrokerUnavailable
+from deferred.broker.errors import BrokerUnavailable
 
 logger = logging.getLogger("deferred.broker")
 
@@ -327,9 +327,6 @@ def setting_up(connection: pika.BlockingConnection, node: Node, doing: str) -> I
     """
     try:
         yield
-    except BrokerError:
-        close_quietly(connection)
-        raise
     except (*CONNECTION_ERRORS, px.AMQPError) as exc:
         close_quietly(connection)
         node.lost()
