@@ -74,6 +74,13 @@ DEFAULTS: dict[str, Any] = {
     # Deliveries of one job without an ack before it counts as a poison job
     # that kills workers, and goes to the failed queue.
     "DELIVERY_LIMIT": 5,
+    # Quorum queues only (RabbitMQ 3.12+): how long a worker may hold a job,
+    # running it, before its ready queue takes it back and hands it to
+    # another worker, which runs it a second time (timedelta or seconds;
+    # None: the broker's consumer_timeout, 30 minutes unless configured).
+    # Set it above your longest job. Classic queues follow the broker-wide
+    # consumer_timeout in rabbitmq.conf (on 4.3 they have none).
+    "CONSUMER_TIMEOUT": None,
     # False: never declare anything; the broker's exchanges and queues are
     # created by infrastructure code (definitions, Terraform), and the app
     # only checks that they exist.
@@ -210,6 +217,8 @@ class DeferredSettings:
     #: verifying; empty only with signing off and no key. Never shown.
     signing_keys: tuple[str | bytes, ...] = field(default=(), repr=False)
     max_message_bytes: int = 256 * 1024
+    #: The quorum ready queues' ``x-consumer-timeout`` (None: the broker's).
+    consumer_timeout_ms: int | None = None
     #: TLS options for amqps:// URLs (None: pika's and the system's defaults).
     tls: TLSOptions | None = None
     #: The bearer token the metrics URL asks for (None: no token). Never shown.
@@ -226,6 +235,28 @@ class DeferredSettings:
     def default_queue(self) -> str:
         """The queue a task goes to when neither it nor the call names one."""
         return self.queues[0]
+
+
+#: RabbitMQ's consumer timeout is a 32-bit count of milliseconds (about 24 days).
+MAX_CONSUMER_TIMEOUT_MS = 2**31 - 1
+
+
+def _consumer_timeout_ms(value: Any, queue_type: str) -> int | None:
+    if value is None:
+        return None
+    if queue_type != "quorum":
+        raise ImproperlyConfigured(
+            "DEFERRED['CONSUMER_TIMEOUT'] applies to quorum queues only. With classic queues, "
+            "set consumer_timeout in rabbitmq.conf (RabbitMQ 3.x to 4.2; on 4.3 classic "
+            "queues have no consumer timeout), or leave CONSUMER_TIMEOUT at None."
+        )
+    timeout_ms = _duration_ms("CONSUMER_TIMEOUT", value)
+    if not 1000 <= timeout_ms <= MAX_CONSUMER_TIMEOUT_MS:
+        raise ImproperlyConfigured(
+            "DEFERRED['CONSUMER_TIMEOUT'] must be from 1 second to 24 days (RabbitMQ's "
+            f"limit), or None; got {value!r}."
+        )
+    return math.ceil(timeout_ms)
 
 
 #: A shorter bearer token can be guessed: the metrics URL refuses to start with one.
@@ -457,6 +488,7 @@ def _build(raw: Any) -> DeferredSettings:
             f"DEFERRED['DELIVERY_LIMIT'] must be a positive integer, got {delivery_limit!r}."
         )
 
+    consumer_timeout_ms = _consumer_timeout_ms(values["CONSUMER_TIMEOUT"], queue_type)
     management_urls = _management_urls(values["MANAGEMENT_URL"], broker_urls)
     group_size = values["QUORUM_GROUP_SIZE"]
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
@@ -527,6 +559,7 @@ def _build(raw: Any) -> DeferredSettings:
         signing=signing,
         signing_keys=signing_keys,
         max_message_bytes=max_message_bytes,
+        consumer_timeout_ms=consumer_timeout_ms,
         tls=tls,
         metrics_token=metrics_token,
         metrics_allow=metrics_allow,

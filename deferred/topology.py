@@ -235,7 +235,17 @@ def levels_for(max_units: int, radix: int) -> int:
     return levels
 
 
+#: The delivery limit of quorum queues whose messages must never be dropped
+#: for being handed back: RabbitMQ 4 gives every quorum queue a limit of 20
+#: unless told otherwise. (-1, "none", is refused before 4.0.)
+NO_DELIVERY_LIMIT = 1_000_000_000
+
+
 def _queue_arguments(queue_type: str, group_size: int) -> dict[str, Any]:
+    # The type is always sent: a vhost's default queue type (quorum on some
+    # hosted brokers) applies to a queue declared without one, and would turn
+    # a classic topology into quorum queues without the arguments quorum mode
+    # needs (at-least-once dead-lettering, reject-publish, delivery limits).
     if queue_type == "quorum":
         return {
             "x-queue-type": "quorum",
@@ -245,11 +255,15 @@ def _queue_arguments(queue_type: str, group_size: int) -> dict[str, Any]:
             # was declared through: the hops' work is spread with them.
             "x-queue-leader-locator": "balanced",
         }
-    return {}
+    return {"x-queue-type": "classic"}
 
 
 def _ready_queue_arguments(
-    queue_type: str, group_size: int, failed_exchange: str, delivery_limit: int
+    queue_type: str,
+    group_size: int,
+    failed_exchange: str,
+    delivery_limit: int,
+    consumer_timeout_ms: int | None = None,
 ) -> dict[str, Any]:
     # A job that kills the worker every time is redelivered every time: a
     # quorum queue counts deliveries and, past the limit, dead-letters the job
@@ -262,6 +276,11 @@ def _ready_queue_arguments(
         # The move to the failed queue is confirmed too, like the delay hops.
         args["x-dead-letter-strategy"] = "at-least-once"
         args["x-overflow"] = "reject-publish"
+        if consumer_timeout_ms is not None:
+            # How long a worker may hold a job before the queue takes it back
+            # for another worker (RabbitMQ 3.12+; 4.3 classic queues have no
+            # such timeout, earlier ones only the broker-wide one).
+            args["x-consumer-timeout"] = consumer_timeout_ms
     return args
 
 
@@ -271,7 +290,7 @@ def _kept_queue_arguments(queue_type: str, group_size: int) -> dict[str, Any]:
     # and would drop an entry read that often: set one that is never reached.
     args = _queue_arguments(queue_type, group_size)
     if queue_type == "quorum":
-        args["x-delivery-limit"] = 1_000_000_000
+        args["x-delivery-limit"] = NO_DELIVERY_LIMIT
     return args
 
 
@@ -304,6 +323,9 @@ def _delay_queue_arguments(
         # at-least-once requires reject-publish overflow.
         args["x-dead-letter-strategy"] = "at-least-once"
         args["x-overflow"] = "reject-publish"
+        # Nothing consumes a delay queue, but a job read out of one (moving
+        # to another broker) must not be dropped for having been handed back.
+        args["x-delivery-limit"] = NO_DELIVERY_LIMIT
     return args
 
 
@@ -328,6 +350,8 @@ class TopologySettings(Protocol):
     @property
     def delivery_limit(self) -> int: ...
     @property
+    def consumer_timeout_ms(self) -> int | None: ...
+    @property
     def quorum_group_size(self) -> int: ...
     @property
     def cancel_margin_ms(self) -> int: ...
@@ -345,6 +369,7 @@ def plan_topology(settings: TopologySettings) -> Plan:
         queue_type=settings.queue_type,
         queues=settings.queues,
         delivery_limit=settings.delivery_limit,
+        consumer_timeout_ms=settings.consumer_timeout_ms,
         group_size=settings.quorum_group_size,
         cancel_margin_ms=settings.cancel_margin_ms,
     )
@@ -364,6 +389,7 @@ def build_plan(
     queues: tuple[str, ...] | list[str],
     levels: int | None = None,
     delivery_limit: int = 5,
+    consumer_timeout_ms: int | None = None,
     group_size: int = 3,
     cancel_margin_ms: int = CANCEL_MARGIN_MS,
 ) -> Plan:
@@ -454,7 +480,9 @@ def build_plan(
     ready_queues = {
         name: Queue(
             f"{prefix}.ready.{name}",
-            _ready_queue_arguments(queue_type, group_size, failed, delivery_limit),
+            _ready_queue_arguments(
+                queue_type, group_size, failed, delivery_limit, consumer_timeout_ms
+            ),
         )
         for name in queues
     }

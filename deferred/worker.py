@@ -333,9 +333,15 @@ class Worker:
             if not released and not self.consumer.settle_threadsafe(
                 delivery, ack=ack, requeue=True
             ):
+                # A connection lost, or the broker's consumer timeout: a job
+                # held longer than it is taken back and run by another worker.
                 logger.warning(
-                    "The connection that delivered this job is gone; RabbitMQ "
-                    "will redeliver it (it may run again)."
+                    "The delivery of this job from %s was taken back while it ran (a lost "
+                    "connection, or the broker's consumer timeout); RabbitMQ will redeliver "
+                    "it, so it may run again. Jobs that run this long need a longer timeout: "
+                    "DEFERRED['CONSUMER_TIMEOUT'] for quorum queues, consumer_timeout in "
+                    "rabbitmq.conf for classic ones.",
+                    delivery.queue,
                 )
             with self._lock:
                 self._inflight -= 1

@@ -83,3 +83,24 @@ def test_declare_off_is_a_setting():
     with override_settings(DEFERRED={"DECLARE": None}):
         errors = [e for e in run_checks() if e.id == "deferred.E001"]
     assert len(errors) == 1 and "DECLARE" in errors[0].msg
+
+
+def test_consumer_timeout_is_for_quorum_queues_in_whole_milliseconds():
+    assert settings_for().consumer_timeout_ms is None
+    s = settings_for(QUEUE_TYPE="quorum", CONSUMER_TIMEOUT=timedelta(hours=2))
+    assert s.consumer_timeout_ms == 7_200_000
+    assert settings_for(QUEUE_TYPE="quorum", CONSUMER_TIMEOUT=1.5).consumer_timeout_ms == 1500
+
+
+@pytest.mark.parametrize(
+    ("values", "says"),
+    [
+        ({"CONSUMER_TIMEOUT": 60}, "quorum queues only.*consumer_timeout in rabbitmq.conf"),
+        ({"QUEUE_TYPE": "quorum", "CONSUMER_TIMEOUT": 0.5}, "from 1 second to 24 days"),
+        ({"QUEUE_TYPE": "quorum", "CONSUMER_TIMEOUT": timedelta(days=25)}, "24 days"),
+        ({"QUEUE_TYPE": "quorum", "CONSUMER_TIMEOUT": "1h"}, "timedelta or a number"),
+    ],
+)
+def test_a_bad_consumer_timeout_says_what_is_wanted(values, says):
+    with pytest.raises(ImproperlyConfigured, match=says):
+        settings_for(**values)

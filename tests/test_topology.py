@@ -12,6 +12,7 @@ import pytest
 from deferred.topology import (
     MAX_ROUTING_KEY_BYTES,
     MAX_TTL_MS,
+    NO_DELIVERY_LIMIT,
     Plan,
     TopologyError,
     build_plan,
@@ -239,3 +240,42 @@ def test_widest_plan_sees_queues_added_by_a_larger_max_delay():
     names = {q.name for q in widest.delay_queues}
     assert {q.name for q in wide.delay_queues} <= names
     assert len(names) == narrow.levels * 15
+
+
+@pytest.mark.parametrize("queue_type", ["classic", "quorum"])
+def test_every_queue_names_its_type_and_quorum_ones_their_delivery_limit(queue_type):
+    # A vhost's default queue type applies to a queue declared without one.
+    plan = build_plan(
+        prefix="p",
+        radix=16,
+        resolution_ms=1,
+        max_delay_ms=60_000,
+        queue_type=queue_type,
+        queues=("default",),
+        delivery_limit=7,
+    )
+    for queue in plan.all_queues:
+        expected = "stream" if queue is plan.cancels_queue else queue_type
+        assert queue.arguments["x-queue-type"] == expected, queue.name
+        limit = queue.arguments.get("x-delivery-limit")
+        if queue_type == "classic" or queue is plan.cancels_queue:
+            assert limit is None, queue.name  # classic queues and streams refuse one
+        elif queue.name == plan.ready_queues["default"].name:
+            assert limit == 7
+        else:
+            assert limit == NO_DELIVERY_LIMIT, queue.name
+
+
+def test_the_consumer_timeout_goes_on_the_quorum_ready_queues_only():
+    plan = build_plan(
+        prefix="p",
+        radix=16,
+        resolution_ms=1,
+        max_delay_ms=60_000,
+        queue_type="quorum",
+        queues=("default", "other"),
+        consumer_timeout_ms=5000,
+    )
+    timed = {q.name for q in plan.all_queues if "x-consumer-timeout" in q.arguments}
+    assert timed == {q.name for q in plan.ready_queues.values()}
+    assert {q.arguments["x-consumer-timeout"] for q in plan.ready_queues.values()} == {5000}

@@ -77,6 +77,9 @@ PLACEMENT_ARGUMENTS = (
 )
 #: The cancels stream's retention: changed later with a policy, not a new declare.
 RETENTION_ARGUMENTS = ("x-max-age", "x-stream-max-segment-size-bytes")
+#: Limits that earlier releases declared without (or with another value): a
+#: policy key changes them on a queue that exists, a new declare cannot.
+POLICY_ARGUMENTS = {"x-delivery-limit": "delivery-limit", "x-consumer-timeout": "consumer-timeout"}
 _INEQUIVALENT = re.compile(
     r"inequivalent arg '(?P<name>[^']+)'.*but current is "
     r"(?:none|the value '(?P<value>[^']*)' of type '(?P<type>[^']+)')"
@@ -88,7 +91,11 @@ def _placement_conflict(exc: px.ChannelClosedByBroker) -> tuple[str, Any] | None
     if exc.reply_code != PRECONDITION_FAILED:
         return None
     match = _INEQUIVALENT.search(str(exc.reply_text))
-    if match is None or match["name"] not in (*PLACEMENT_ARGUMENTS, *RETENTION_ARGUMENTS):
+    if match is None or match["name"] not in (
+        *PLACEMENT_ARGUMENTS,
+        *RETENTION_ARGUMENTS,
+        *POLICY_ARGUMENTS,
+    ):
         return None
     value: Any = match["value"]
     if value is not None and match["type"] in ("signedint", "long", "short", "byte"):
@@ -209,7 +216,8 @@ class Admin:
         """
         arguments = dict(queue.arguments)
         kept: list[str] = []
-        for _ in range(len(PLACEMENT_ARGUMENTS) + len(RETENTION_ARGUMENTS) + 1):
+        tries = len(PLACEMENT_ARGUMENTS) + len(RETENTION_ARGUMENTS) + len(POLICY_ARGUMENTS) + 1
+        for _ in range(tries):
             try:
                 self.channel.queue_declare(queue.name, durable=True, arguments=arguments)
             except px.ChannelClosedByBroker as exc:
@@ -232,6 +240,23 @@ class Admin:
                     f"set_policy --apply-to queues deferred-cancels '^{re.escape(queue.name)}$' "
                     f'\'{{"max-age":"{queue.arguments.get("x-max-age")}"}}\'`), or cancels '
                     "may be forgotten before their jobs are due"
+                )
+            limits = {
+                POLICY_ARGUMENTS[k.split("=")[0]]: queue.arguments[k.split("=")[0]]
+                for k in kept
+                if k.split("=")[0] in POLICY_ARGUMENTS and k.split("=")[0] in queue.arguments
+            }
+            if queue.ttl_ms is not None and all(k.split("=")[0] in POLICY_ARGUMENTS for k in kept):
+                # A delay queue of an earlier release: nothing consumes it,
+                # and RabbitMQ 4's default limit (20) is far above the one
+                # read a move to another broker makes. Not worth a warning.
+                return None
+            if limits:
+                return (
+                    f"queue {queue.name} exists with other limits ({', '.join(kept)}); it is "
+                    "used as it is. Apply the settings' limits with a policy (`rabbitmqctl "
+                    f"set_policy --apply-to queues deferred-limits '^{re.escape(queue.name)}$' "
+                    f"'{json.dumps(limits)}'`), or recreate the queue"
                 )
             if kept:
                 return (
