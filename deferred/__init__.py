@@ -13,7 +13,13 @@ cancel(job_id)  # changed our mind: it will not run
 __version__ = "0.1.0"
 
 from deferred.asynchronous import adefer, adefer_many
-from deferred.broker import BrokerError, BrokerUnavailable, PublishRefused, TopologyNotDeclared
+from deferred.broker import (
+    BrokerError,
+    BrokerUnavailable,
+    MessageTooLarge,
+    PublishRefused,
+    TopologyNotDeclared,
+)
 from deferred.cancels import cancel, cancel_many
 from deferred.context import current_job
 from deferred.publishing import defer, defer_many
@@ -27,6 +33,7 @@ __all__ = [
     "BrokerError",
     "BrokerUnavailable",
     "Exponential",
+    "MessageTooLarge",
     "PublishRefused",
     "Retry",
     "Task",

@@ -121,6 +121,8 @@ DEFAULTS: dict[str, Any] = {
     # The largest job body (1 KiB to 128 MiB): defer() raises ValueError above
     # it, and the worker sends a larger message to the failed queue unread. A
     # body sits in the broker's memory or disk for its whole delay: pass ids.
+    # Keep it at or under the broker's max_message_size (RabbitMQ 4.x: 16 MiB
+    # by default, 3.x: 128 MiB); a larger job is MessageTooLarge at defer().
     "MAX_MESSAGE_BYTES": 256 * 1024,
     # amqps:// only: the CA file to verify the broker with (None: the
     # system's CAs).

@@ -25,7 +25,7 @@ from deferred.broker import admin_channel
 from deferred.conf import get_settings
 from deferred.topology import NO_DELIVERY_LIMIT, plan_topology
 from tests.conftest import _every_plan, rabbitmqctl, wait_for
-from tests.testapp.tasks import read_records, sleepy
+from tests.testapp.tasks import read_records, record, sleepy
 
 HOST = "amqp://guest:guest@127.0.0.1:5672/"
 
@@ -226,3 +226,28 @@ def test_consumer_timeout_takes_back_a_job_held_longer_and_the_worker_says_so(
             with admin_channel(broker_url) as admin:
                 for each in _every_plan(admin, plan):
                     admin.delete_everything(each)
+
+
+def test_a_message_over_the_brokers_size_limit_is_a_clear_error_and_the_next_defer_works(
+    broker_url, own_topology, records
+):
+    # RabbitMQ 4.x refuses messages over 16 MiB by default (3.x: 128 MiB) and
+    # closes the channel; MAX_MESSAGE_BYTES may allow more than the broker does.
+    limit = 16 * 1024 * 1024 if broker_version(broker_url) >= (4,) else None
+    big = {
+        **settings.DEFERRED,
+        "PREFIX": own_topology.prefix,
+        "MAX_MESSAGE_BYTES": 128 * 1024 * 1024,
+    }
+    with override_settings(DEFERRED=big):
+        if limit is None:
+            # 3.x takes it (its default limit is 128 MiB)
+            assert defer(record, 60, records, "x" * (17 * 1024 * 1024))
+        else:
+            with pytest.raises(ValueError, match=r"max_message_size.*MAX_MESSAGE_BYTES"):
+                defer(record, 60, records, "x" * (17 * 1024 * 1024))
+        # The connection is still good for the next call
+        assert defer(record, 60, records, "small")
+    with admin_channel(broker_url) as admin:
+        waiting = sum(admin.message_count(q.name) or 0 for q in own_topology.delay_queues)
+    assert waiting == (1 if limit else 2)

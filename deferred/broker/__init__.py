@@ -45,6 +45,7 @@ from deferred.broker.consumer import Consumer, Delivery, peek
 from deferred.broker.errors import (
     BrokerError,
     BrokerUnavailable,
+    MessageTooLarge,
     PublishRefused,
     StreamGone,
     TopologyConflict,
@@ -65,6 +66,7 @@ __all__ = [
     "Delivery",
     "Failover",  # the tests check the failover order
     "Lease",
+    "MessageTooLarge",
     "Node",
     "Outgoing",
     "PublishRefused",

@@ -35,6 +35,14 @@ class TopologyConflict(BrokerError):
     """A queue or exchange exists with other arguments than the plan's."""
 
 
+class MessageTooLarge(BrokerError, ValueError):
+    """The broker refused a message over its ``max_message_size``.
+
+    A ``ValueError`` too, like a body over ``MAX_MESSAGE_BYTES``: the call's
+    input is what must change. Nothing of it was taken.
+    """
+
+
 class StreamGone(BrokerUnavailable):
     """The broker cancelled a stream's consumer: the stream was deleted (or moved)."""
 

@@ -21,6 +21,7 @@ from deferred.broker.connection import (
     CONNECTION_ERRORS,
     NOT_FOUND,
     PERSISTENT,
+    PRECONDITION_FAILED,
     PUBLISH_TIMEOUT_S,
     REFUSED_PAUSE_CAP_S,
     REFUSED_PAUSE_S,
@@ -36,6 +37,7 @@ from deferred.broker.errors import (
     NOT_DECLARED_HINT,
     BrokerError,
     BrokerUnavailable,
+    MessageTooLarge,
     PublishRefused,
     TopologyNotDeclared,
 )
@@ -210,6 +212,14 @@ class Publisher:
                 pause = min(pause * 2, REFUSED_PAUSE_CAP_S)
             except px.ChannelClosedByBroker as exc:
                 self._forget()
+                if exc.reply_code == PRECONDITION_FAILED and "message size" in str(exc.reply_text):
+                    raise MessageTooLarge(
+                        f"RabbitMQ refused a message larger than its max_message_size "
+                        f"({exc.reply_text}); nothing was taken. RabbitMQ 4.x allows 16 MiB "
+                        "unless configured otherwise (3.x: 128 MiB): keep DEFERRED"
+                        "['MAX_MESSAGE_BYTES'] at or under the broker's max_message_size, and "
+                        "pass ids rather than data."
+                    ) from exc
                 if exc.reply_code == NOT_FOUND:
                     raise TopologyNotDeclared(
                         f"Exchange {exchange or '(default)'!r} does not exist (RabbitMQ: "
