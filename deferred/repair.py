@@ -136,20 +136,37 @@ def cli_quorum_status(stuck: StuckQueue, vhost: str) -> StuckQueue | None:
             rows = json.loads(result.stdout) if result.returncode == 0 else None
         except (OSError, subprocess.TimeoutExpired, ValueError):
             rows = None
-        if not isinstance(rows, list):
+        read = replicas_of(rows)
+        if read is None:
             continue
-        try:
-            states = {str(row["Node Name"]): str(row["Raft State"]) for row in rows}
-        except (KeyError, TypeError):
-            continue
-        leaders = [n for n, state in states.items() if state == "leader"]
-        return replace(
-            stuck,
-            leader=leaders[0] if len(leaders) == 1 else None,
-            members=tuple(states),
-            online=tuple(n for n, state in states.items() if state in ("leader", "follower")),
-        )
+        leader, members, online = read
+        return replace(stuck, leader=leader, members=members, online=online)
     return None
+
+
+def replicas_of(rows: object) -> tuple[str | None, tuple[str, ...], tuple[str, ...]] | None:
+    """``(leader, members, online voters)`` from ``quorum_status --formatter json``.
+
+    Both shapes: 3.x rows carry Node Name, Raft State, Log Index...; 4.x
+    rows add Membership (voter, non_voter, promotable), Last Log Index and
+    friends, and drop Log Index. A replica that does not vote yet (a new
+    member catching up) cannot keep the majority: it is not counted online.
+    ``None`` when ``rows`` is neither shape.
+    """
+    if not isinstance(rows, list):
+        return None
+    try:
+        states = {str(row["Node Name"]): str(row["Raft State"]) for row in rows}
+        voting = {
+            str(row["Node Name"]): str(row.get("Membership", "voter")) == "voter" for row in rows
+        }
+    except (KeyError, TypeError, AttributeError):
+        return None
+    leaders = [n for n, state in states.items() if state == "leader"]
+    online = tuple(
+        n for n, state in states.items() if state in ("leader", "follower") and voting[n]
+    )
+    return (leaders[0] if len(leaders) == 1 else None, tuple(states), online)
 
 
 def repair(

@@ -10,7 +10,7 @@ from django.core.exceptions import ImproperlyConfigured
 from deferred.broker import Failover, as_urls
 from deferred.conf import _build
 from deferred.http_api import QueueInfo
-from deferred.repair import commands, refusal
+from deferred.repair import commands, refusal, replicas_of
 from deferred.stuck import Episodes, StuckQueue, find_stuck, stuck_queue
 from deferred.topology import build_plan
 
@@ -253,3 +253,44 @@ def test_the_status_text_shows_nodes_leaders_and_stuck_queues() -> None:
     assert "STUCK: 14 dead-lettered job(s) in p.delay.q" in text and "deferred_repair" in text
     single = ClusterView("h:5672/", None, (NodeState("h:5672/", "answers"),), "amqp", None, None)
     assert render_cluster(single) == ["read from h:5672/"]
+
+
+# quorum_status --formatter json, as RabbitMQ 3.10.8 and 4.3.6 print it.
+STATUS_3_10 = [
+    {"Node Name": "rabbit-a@localhost", "Raft State": "leader", "Log Index": 2,
+     "Commit Index": 2, "Snapshot Index": "undefined", "Term": 1, "Machine Version": 2},
+    {"Node Name": "rabbit-b@localhost", "Raft State": "follower", "Log Index": 2,
+     "Commit Index": 2, "Snapshot Index": "undefined", "Term": 1, "Machine Version": 2},
+    {"Node Name": "rabbit-c@localhost", "Raft State": "noproc", "Log Index": "",
+     "Commit Index": "", "Snapshot Index": "", "Term": "", "Machine Version": ""},
+]  # fmt: skip
+STATUS_4_3 = [
+    {"Node Name": "rabbit-a@localhost", "Raft State": "follower", "Membership": "voter",
+     "Last Log Index": 9, "Last Written": 9, "Last Applied": 9, "Commit Index": 9,
+     "Snapshot Index": -1, "Term": 2, "Machine Version": 8},
+    {"Node Name": "rabbit-b@localhost", "Raft State": "leader", "Membership": "voter",
+     "Last Log Index": 9, "Last Written": 9, "Last Applied": 9, "Commit Index": 9,
+     "Snapshot Index": -1, "Term": 2, "Machine Version": 8},
+    {"Node Name": "rabbit-c@localhost", "Raft State": "follower", "Membership": "promotable",
+     "Last Log Index": 3, "Last Written": 3, "Last Applied": 3, "Commit Index": 3,
+     "Snapshot Index": -1, "Term": 2, "Machine Version": 8},
+]  # fmt: skip
+
+
+def test_quorum_status_is_read_in_the_3x_and_the_4x_shape():
+    assert replicas_of(STATUS_3_10) == (
+        "rabbit-a@localhost",
+        ("rabbit-a@localhost", "rabbit-b@localhost", "rabbit-c@localhost"),
+        ("rabbit-a@localhost", "rabbit-b@localhost"),
+    )
+    # A member still catching up (promotable) does not vote: not counted online.
+    assert replicas_of(STATUS_4_3) == (
+        "rabbit-b@localhost",
+        ("rabbit-a@localhost", "rabbit-b@localhost", "rabbit-c@localhost"),
+        ("rabbit-a@localhost", "rabbit-b@localhost"),
+    )
+
+
+@pytest.mark.parametrize("rows", [None, {}, [{"Node": "x"}], ["text"], [{"Node Name": "a"}]])
+def test_quorum_status_in_another_shape_is_not_read(rows):
+    assert replicas_of(rows) is None
