@@ -16,7 +16,7 @@ from typing import Any
 from deferred import broker
 from deferred.conf import DeferredSettings
 from deferred.http_api import ManagementAPI, QueueInfo
-from deferred.stuck import StuckQueue, find_stuck
+from deferred.stuck import NO_COUNTS, StuckQueue, find_stuck
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,8 @@ class ClusterView:
     leaders: dict[str, int] | None
     #: Stuck delay queues; ``None`` without the management API (unknown).
     stuck: tuple[StuckQueue, ...] | None
+    #: Why ``stuck`` is unknown although the API answered, if it is.
+    stuck_unknown: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -55,6 +57,7 @@ class ClusterView:
             "nodes_source": self.nodes_source,
             "leaders": self.leaders,
             "stuck": None if self.stuck is None else [s.to_dict() for s in self.stuck],
+            "stuck_unknown": self.stuck_unknown,
         }
 
 
@@ -99,6 +102,7 @@ def observe(
             for url in settings.broker_urls
         )
         source = "amqp"
+    uncounted = queues is not None and api.counts_disabled()
     view = ClusterView(
         read_from=read_from.address,
         api=api.answered if queues is not None else None,
@@ -106,7 +110,8 @@ def observe(
         nodes_source=source,
         leaders=None if queues is None else leaders_per_node(queues, queue_names),
         stuck=None
-        if queues is None
+        if queues is None or uncounted
         else tuple(find_stuck(queues, delay_queue_names, settings.stuck_after_s)),
+        stuck_unknown=NO_COUNTS if uncounted else None,
     )
     return view, queues

@@ -293,6 +293,20 @@ class ManagementAPI:
             logger.debug("Management API: cannot list queues: %s", exc)
             return None
 
+    def counts_disabled(self) -> bool:
+        """Whether the API keeps no message counts (``disable_stats`` in its overview).
+
+        RabbitMQ 4.3 with the deprecated feature management_metrics_collection
+        denied (or ``management_agent.disable_metrics_collector``) lists queues
+        without them. A queue not yet sampled has none either, so the overview
+        tells the two apart. ``False`` when unknown.
+        """
+        try:
+            return bool(self.request("GET", "overview").get("disable_stats"))
+        except (ManagementError, LookupError, TypeError, AttributeError) as exc:
+            logger.debug("Management API: cannot read the overview: %s", exc)
+            return False
+
     def nodes(self) -> list[NodeInfo] | None:
         """The cluster's nodes and whether they run; ``None`` if unknown."""
         try:

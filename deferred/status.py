@@ -540,7 +540,9 @@ def render_cluster(view: ClusterView, *, quorum: bool = True) -> list[str]:
             "queue leaders per node: "
             + (", ".join(f"{node} {count}" for node, count in view.leaders.items()) or "none")
         )
-    if view.stuck is None:
+    if view.stuck_unknown and quorum:
+        lines.append(f"stuck dead-letters: unknown ({view.stuck_unknown})")
+    elif view.stuck is None:
         if quorum:
             lines.append("stuck dead-letters: unknown (needs RabbitMQ's management API)")
     elif not view.stuck:

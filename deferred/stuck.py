@@ -55,6 +55,16 @@ class StuckQueue:
         }
 
 
+#: Why stuck dead-letters cannot be seen when the API gives no message counts.
+NO_COUNTS = (
+    "stuck dead-letters cannot be detected: RabbitMQ's management API gives no message "
+    "counts (the deprecated feature management_metrics_collection is denied: permit it with "
+    "deprecated_features.permit.management_metrics_collection = true in rabbitmq.conf). By "
+    "hand: `rabbitmqctl list_queues name messages messages_ready messages_unacknowledged`; a "
+    "quorum delay queue whose messages stay above ready + unacked holds stuck jobs"
+)
+
+
 def stuck_queue(info: QueueInfo, stuck_after_s: float) -> StuckQueue | None:
     """``info``'s queue as stuck, or ``None`` if its dead-letters moved within ``stuck_after_s``.
 

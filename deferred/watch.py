@@ -28,7 +28,7 @@ import time
 from deferred import repair
 from deferred.conf import DeferredSettings
 from deferred.http_api import ManagementAPI
-from deferred.stuck import Episodes, find_stuck
+from deferred.stuck import NO_COUNTS, Episodes, find_stuck
 
 logger = logging.getLogger("deferred.watch")
 
@@ -52,6 +52,8 @@ class StuckWatch:
         self._quiet_until: dict[str, float] = {}
         #: The queues the previous reading found stuck.
         self._previous: set[str] = set()
+        #: Whether the missing message counts were logged (once per worker).
+        self._told_uncounted = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -75,6 +77,11 @@ class StuckWatch:
         """One reading: report new stuck queues and repair them if allowed; what was done."""
         queues = self.api.queues(self.prefix, history_s=self.settings.stuck_after_s)
         if queues is None:
+            return []
+        if self.api.counts_disabled():
+            if not self._told_uncounted:
+                logger.warning("The worker cannot watch its delay queues: %s.", NO_COUNTS)
+                self._told_uncounted = True
             return []
         now = time.monotonic()
         stuck = [

@@ -178,6 +178,8 @@ class _API(BaseHTTPRequestHandler):
     replicas = True
     queues: list[dict[str, Any]] = []
     asked: list[tuple[str, str, Any]] = []
+    #: RabbitMQ 4.3 with management_metrics_collection denied: no message counts.
+    stats_disabled = False
 
     def _reply(self, code: int, body: Any = None) -> None:
         self.send_response(code)
@@ -191,6 +193,8 @@ class _API(BaseHTTPRequestHandler):
             self._reply(200, self.queues)
         elif self.path == "/api/nodes":
             self._reply(200, [{"name": "rabbit-a@localhost", "running": True}])
+        elif self.path == "/api/overview":
+            self._reply(200, {"disable_stats": self.stats_disabled})
         else:
             self._reply(404)
 
@@ -208,7 +212,7 @@ class _API(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def stand_in() -> Iterator[str]:
-    _API.asked, _API.replicas, _API.queues = [], True, []
+    _API.asked, _API.replicas, _API.queues, _API.stats_disabled = [], True, [], False
     server = HTTPServer(("127.0.0.1", 0), _API)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{server.server_port}/"
@@ -327,3 +331,28 @@ def test_any_other_failure_of_a_set_up_closes_the_connection_and_passes_through(
         assert caught.value is raised
         assert connection.is_closed
         assert failover.order(urls)[0] == 0, "not a broker failure: the node is not marked lost"
+
+
+def test_without_message_counts_stuck_jobs_are_unknown_and_the_worker_says_why(
+    stand_in, caplog, topology
+):
+    # RabbitMQ 4.3 with management_metrics_collection denied lists queues
+    # without counts: no figures to judge by, and that is said, not "none".
+    _API.stats_disabled = True
+    _API.queues = [{k: v for k, v in stuck_row(7).items() if not k.startswith("messages")}]
+    base = {**settings.DEFERRED, "QUEUE_TYPE": "quorum", "MANAGEMENT_URL": stand_in}
+    with override_settings(DEFERRED=base):
+        watch = StuckWatch(get_settings(), "deferred-x", ManagementAPI([stand_in], DEAD))
+        with caplog.at_level(logging.WARNING, logger="deferred.watch"):
+            assert watch.check() == [] and watch.check() == []
+    told = [
+        r.getMessage() for r in caplog.records if "management_metrics_collection" in r.getMessage()
+    ]
+    assert len(told) == 1 and "cannot watch" in told[0]
+    assert _API.asked == []
+    with override_settings(DEFERRED={**settings.DEFERRED, "MANAGEMENT_URL": stand_in}):
+        out = StringIO()
+        call_command("deferred_status", "--json", stdout=out)
+        cluster = json.loads(out.getvalue())["cluster"]
+    assert cluster["stuck"] is None
+    assert "management_metrics_collection" in cluster["stuck_unknown"]
