@@ -18,6 +18,9 @@
 # nodes only share its epmd and its Erlang cookie (they run as the rabbitmq
 # user, whose cookie the rabbitmqctl wrapper uses too). Needs the RabbitMQ
 # server (scripts/ensure-rabbitmq.sh installs it) and root or the rabbitmq user.
+# DEFERRED_RABBITMQ_RELEASE=4.3 (or 4.0) runs that release's nodes instead, from
+# scripts/rabbitmq-release.sh's chroot, as root; `rabbitmq-release.sh VERSION run`
+# sets it for the commands it runs.
 set -euo pipefail
 
 export PATH="$PATH:/usr/sbin:/sbin"
@@ -47,15 +50,25 @@ answers() { timeout 2 bash -c "exec 3<>/dev/tcp/127.0.0.1/$1" 2>/dev/null; }
 # tools are Debian's wrappers, which switch to that user themselves.
 server_bin=/usr/lib/rabbitmq/bin/rabbitmq-server
 [ -x "$server_bin" ] || server_bin="$(command -v rabbitmq-server || true)"
+server=("$server_bin")
 as_rabbitmq=(env)
 chown_to=""
-if [ "$(id -u)" = 0 ] && id rabbitmq >/dev/null 2>&1; then
+release="${DEFERRED_RABBITMQ_RELEASE:-}"
+release_script="$(cd "$(dirname "$0")" && pwd)/rabbitmq-release.sh"
+if [ -n "$release" ]; then
+    # Another release, from its chroot (scripts/rabbitmq-release.sh), as root.
+    server=("$release_script" "$release" exec rabbitmq-server)
+    server_bin="${server[0]}"
+elif [ "$(id -u)" = 0 ] && id rabbitmq >/dev/null 2>&1; then
     as_rabbitmq=(runuser -u rabbitmq -- env "HOME=$(getent passwd rabbitmq | cut -d: -f6)")
     chown_to=rabbitmq:rabbitmq
 fi
+# The CLI of the release the nodes run.
+rabbitmqctl() { if [ -n "$release" ]; then "$release_script" "$release" exec rabbitmqctl "$@"; else command rabbitmqctl "$@"; fi; }
+rabbitmq-diagnostics() { if [ -n "$release" ]; then "$release_script" "$release" exec rabbitmq-diagnostics "$@"; else command rabbitmq-diagnostics "$@"; fi; }
 
 need_rabbitmq() {
-    if [ -z "$server_bin" ] || ! command -v rabbitmqctl >/dev/null 2>&1; then
+    if [ -z "$server_bin" ] || { [ -z "$release" ] && ! command -v rabbitmqctl >/dev/null 2>&1; }; then
         echo "RabbitMQ is not installed (scripts/ensure-rabbitmq.sh installs it)." >&2
         exit 1
     fi
@@ -160,7 +173,7 @@ launch() {
             RABBITMQ_LOG_BASE="$dir/log" \
             RABBITMQ_ENABLED_PLUGINS_FILE="$dir/enabled_plugins" \
             RABBITMQ_PID_FILE="$dir/pid" \
-            "$server_bin" -detached > "$dir/startup.out" 2>&1
+            "${server[@]}" -detached > "$dir/startup.out" 2>&1
     ) || true
 }
 

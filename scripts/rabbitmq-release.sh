@@ -302,6 +302,26 @@ stop_side() {
 
 # ------------------------------------------------------------------ run CMD against this release
 
+# What CMD may have left running in this network namespace (a local cluster or
+# a TLS node whose test run was killed): their VMs and epmd go with it, and
+# the folders they ran from when those are marked as made by our scripts.
+stop_strays() {
+    local own pid base folder
+    own="$(readlink /proc/self/ns/net)"
+    for pid in $(pgrep -x beam.smp || true) $(pgrep -x epmd || true); do
+        [ "$(readlink "/proc/$pid/ns/net" 2>/dev/null)" = "$own" ] || continue
+        base="$(tr '\0' '\n' 2>/dev/null < "/proc/$pid/environ" | sed -n 's/^RABBITMQ_MNESIA_BASE=//p')"
+        kill -KILL "$pid" 2>/dev/null || true
+        [ -n "$base" ] || continue
+        # The folder holding the node's data, or the one above (a cluster's).
+        for folder in "$(dirname "$base")" "$(dirname "$(dirname "$base")")"; do
+            if [ -e "$folder/.deferred-local-cluster" ] || [ -e "$folder/.deferred-tls-node" ]; then
+                rm -rf "$folder"
+            fi
+        done
+    done
+}
+
 # Inside the new network namespace: loopback up, the node started, CMD run,
 # everything stopped and removed whatever happens.
 run_inside() {
@@ -322,7 +342,7 @@ EOF
     done
     cleanup() {
         stop_node "$run_node" "$run_dir"
-        "$self" "$version" exec epmd -kill >/dev/null 2>&1 || true
+        stop_strays
         rm -rf "$run_dir"
     }
     trap cleanup EXIT

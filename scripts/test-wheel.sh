@@ -12,12 +12,19 @@
 #
 # PYTHON picks the interpreter; DJANGO pins the Django line; PINS adds more
 # requirement specifiers installed with the wheel (the oldest-releases job:
-# PINS='Django==5.2 pika==1.4.0'). Fails, never skips, when RabbitMQ does not
-# answer.
+# PINS='Django==5.2 pika==1.4.0'); RABBITMQ_RELEASE=4.3 (or 4.0) runs pytest
+# against that RabbitMQ release, as in scripts/test.sh. Fails, never skips, when
+# RabbitMQ does not answer.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-scripts/ensure-rabbitmq.sh
+release=()
+if [ -n "${RABBITMQ_RELEASE:-}" ]; then
+    scripts/rabbitmq-release.sh "$RABBITMQ_RELEASE" setup
+    release=("$PWD/scripts/rabbitmq-release.sh" "$RABBITMQ_RELEASE" run --)
+else
+    scripts/ensure-rabbitmq.sh
+fi
 scripts/ensure-chromium.sh
 python="${PYTHON:-python3}"
 
@@ -50,4 +57,4 @@ print(
 PY
 # The demo command's test clones the committed tree and runs scripts/demo.sh on
 # python3, whatever is installed here: it tests the checkout, and test.sh runs it.
-"$work/venv/bin/pytest" --ignore=tests/test_readme_commands.py "$@"
+${release[@]+"${release[@]}"} "$work/venv/bin/pytest" --ignore=tests/test_readme_commands.py "$@"

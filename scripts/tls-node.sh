@@ -14,6 +14,8 @@
 # that signed the server's and the client's certificates), client.pem and
 # client.key, and other-ca.pem (a CA that signed nothing of this node's).
 # Needs the RabbitMQ server, openssl, and root or the rabbitmq user.
+# DEFERRED_RABBITMQ_RELEASE=4.3 (or 4.0) runs that release instead (see
+# scripts/local-cluster.sh).
 set -euo pipefail
 
 export PATH="$PATH:/usr/sbin:/sbin"
@@ -33,12 +35,22 @@ dist_port=$((port + 20000))
 
 server_bin=/usr/lib/rabbitmq/bin/rabbitmq-server
 [ -x "$server_bin" ] || server_bin="$(command -v rabbitmq-server || true)"
+server=("$server_bin")
 as_rabbitmq=(env)
 chown_to=""
-if [ "$(id -u)" = 0 ] && id rabbitmq >/dev/null 2>&1; then
+release="${DEFERRED_RABBITMQ_RELEASE:-}"
+release_script="$(cd "$(dirname "$0")" && pwd)/rabbitmq-release.sh"
+if [ -n "$release" ]; then
+    # Another release, from its chroot (scripts/rabbitmq-release.sh), as root.
+    server=("$release_script" "$release" exec rabbitmq-server)
+    server_bin="${server[0]}"
+elif [ "$(id -u)" = 0 ] && id rabbitmq >/dev/null 2>&1; then
     as_rabbitmq=(runuser -u rabbitmq -- env "HOME=$(getent passwd rabbitmq | cut -d: -f6)")
     chown_to=rabbitmq:rabbitmq
 fi
+# The CLI of the release the nodes run.
+rabbitmqctl() { if [ -n "$release" ]; then "$release_script" "$release" exec rabbitmqctl "$@"; else command rabbitmqctl "$@"; fi; }
+rabbitmq-diagnostics() { if [ -n "$release" ]; then "$release_script" "$release" exec rabbitmq-diagnostics "$@"; else command rabbitmq-diagnostics "$@"; fi; }
 
 answers() { timeout 2 bash -c "exec 3<>/dev/tcp/127.0.0.1/$1" 2>/dev/null; }
 
@@ -132,7 +144,7 @@ EOF
             RABBITMQ_LOG_BASE="$dir/log" \
             RABBITMQ_ENABLED_PLUGINS_FILE="$dir/enabled_plugins" \
             RABBITMQ_PID_FILE="$dir/pid" \
-            "$server_bin" -detached > "$dir/startup.out" 2>&1
+            "${server[@]}" -detached > "$dir/startup.out" 2>&1
     ) || true
     local since=$SECONDS
     while [ $((SECONDS - since)) -lt "$limit" ]; do

@@ -418,17 +418,37 @@ def test_stuck_dead_letters_are_reported_and_deferred_repair_releases_them(
         stuck_before = stuck_jobs(plan)
         assert stuck_before, f"no dead-letter got stuck in {kills} kills"
 
+        stranded_at = time.monotonic()
+
         # When the stuck rule has had its STUCK_AFTER for every queue with some
         # (a queue whose dead-letters were stranded later is not stuck yet:
-        # deferred_repair leaves it, and the test would wait for it in vain)
+        # deferred_repair leaves it, and the test would wait for it in vain),
+        # unless RabbitMQ forwards them itself first: on 4.3 it does (that
+        # release's closing note has the figures), on 3.10 rarely.
         def all_reported() -> bool:
             reported = {s["queue"] for s in status()["cluster"]["stuck"]}
             return bool(reported) and stranded_queues(plan) <= reported
 
-        assert wait_for(all_reported, 90, interval=2), (
+        def released_by_rabbitmq() -> bool:
+            return not stranded_queues(plan) and not status()["cluster"]["stuck"]
+
+        assert wait_for(lambda: all_reported() or released_by_rabbitmq(), 90, interval=2), (
             stranded_queues(plan),
             status()["cluster"]["stuck"],
         )
+        if released_by_rabbitmq():
+            # Then every job still runs, none early, none lost, without a repair
+            released_after = time.monotonic() - stranded_at
+            assert wait_for(lambda: set(publisher.due) <= set(runs_by_label(records)), 60, 0.5)
+            runs = runs_by_label(records)
+            check_runs(runs, publisher.due, publisher.returned)
+            report(
+                capsys,
+                f"cluster (e): {kills} kill(s) stranded {stuck_before} dead-letter(s); RabbitMQ "
+                f"forwarded them itself within {released_after:.0f} s, before they counted as "
+                "stuck: 0 lost, no repair needed",
+            )
+            return
         reported = status()["cluster"]["stuck"]
         text = StringIO()
         call_command("deferred_status", stdout=text)

@@ -20,6 +20,7 @@ from deferred.broker.connection import (
     NOT_FOUND,
     PERSISTENT,
     PRECONDITION_FAILED,
+    DeadlineExceeded,
     Node,
     Urls,
     close_quietly,
@@ -36,6 +37,27 @@ from deferred.broker.errors import (
 from deferred.topology import Binding, Plan, Queue
 
 logger = logging.getLogger("deferred.broker")
+
+#: How long a queue may take to answer a declare. RabbitMQ 3.x answers at once
+#: (404 "home node ... down") for a classic queue whose node is down; 4.3 does
+#: not answer at all, and the caller would wait for ever.
+QUEUE_ANSWER_TIMEOUT_S = 10.0
+
+
+@contextmanager
+def _queue_answers(connection: pika.BlockingConnection, name: str, node: Node) -> Iterator[None]:
+    """Bound a declare of queue ``name``: past the timeout, the connection is
+    torn down and the queue's node taken for down (``BrokerUnavailable``)."""
+    try:
+        with within_deadline(connection, QUEUE_ANSWER_TIMEOUT_S):
+            yield
+    except DeadlineExceeded as exc:
+        raise BrokerUnavailable(
+            f"Queue {name!r} did not answer within {QUEUE_ANSWER_TIMEOUT_S:g} s (RabbitMQ at "
+            f"{node.address}): the node holding it is down or unreachable. Classic queues are "
+            "not replicated: QUEUE_TYPE 'quorum' keeps every queue available while a node is "
+            "down."
+        ) from exc
 
 
 @dataclass(frozen=True)
@@ -174,7 +196,8 @@ class Admin:
         (delivered, not yet acked) are in neither figure.
         """
         try:
-            frame = self.channel.queue_declare(name, passive=True)
+            with _queue_answers(self.connection, name, self.node):
+                frame = self.channel.queue_declare(name, passive=True)
         except px.ChannelClosedByBroker as exc:
             self._reopen()
             if _home_node_down(exc):
@@ -219,7 +242,8 @@ class Admin:
         tries = len(PLACEMENT_ARGUMENTS) + len(RETENTION_ARGUMENTS) + len(POLICY_ARGUMENTS) + 1
         for _ in range(tries):
             try:
-                self.channel.queue_declare(queue.name, durable=True, arguments=arguments)
+                with _queue_answers(self.connection, queue.name, self.node):
+                    self.channel.queue_declare(queue.name, durable=True, arguments=arguments)
             except px.ChannelClosedByBroker as exc:
                 self._reopen()
                 current = _placement_conflict(exc)
@@ -473,7 +497,8 @@ def declared_queue(channel: BlockingChannel, queue: str, node: Node) -> Any:
     """Passive declare of ``queue`` (its frame): ``TopologyNotDeclared`` if it does not
     exist, ``BrokerUnavailable`` if it does but its node is down."""
     try:
-        return channel.queue_declare(queue, passive=True)
+        with _queue_answers(channel.connection, queue, node):
+            return channel.queue_declare(queue, passive=True)
     except px.ChannelClosedByBroker as exc:
         if exc.reply_code != NOT_FOUND:
             raise
