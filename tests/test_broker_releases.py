@@ -11,6 +11,7 @@ import logging
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from io import StringIO
 from typing import Any
 
@@ -24,11 +25,35 @@ from deferred import defer
 from deferred.broker import admin_channel
 from deferred.cluster import management_api
 from deferred.conf import get_settings
-from deferred.topology import NO_DELIVERY_LIMIT, plan_topology
+from deferred.topology import NO_DELIVERY_LIMIT, Plan, plan_topology
 from tests.conftest import _every_plan, rabbitmqctl, wait_for
 from tests.testapp.tasks import read_records, record, sleepy
 
 HOST = "amqp://guest:guest@127.0.0.1:5672/"
+
+
+@contextmanager
+def quorum_topology(broker_url: str, name: str, **values: Any) -> Iterator[Plan]:
+    """A quorum topology under a PREFIX of its own, in force (settings) in the
+    block, then deleted (with any older version of it)."""
+    prefix = f"{name}-{uuid.uuid4().hex[:6]}"
+    values = {
+        **settings.DEFERRED,
+        "BROKER_URL": broker_url,
+        "PREFIX": prefix,
+        "MAX_DELAY": 60,
+        "QUEUE_TYPE": "quorum",
+        **values,
+    }
+    with override_settings(DEFERRED=values):
+        call_command("declare_delay_topology", stdout=StringIO())
+        plan = plan_topology(get_settings())
+        try:
+            yield plan
+        finally:
+            with admin_channel(broker_url) as admin:
+                for each in _every_plan(admin, plan):
+                    admin.delete_everything(each)
 
 
 def broker_version(url: str) -> tuple[int, ...]:
@@ -99,76 +124,58 @@ def test_a_vhost_whose_default_queue_type_is_quorum_keeps_a_classic_topology_cla
 
 
 def test_every_quorum_queue_declares_its_delivery_limit(broker_url):
-    prefix = f"limits-{uuid.uuid4().hex[:6]}"
-    values = {"BROKER_URL": broker_url, "PREFIX": prefix, "MAX_DELAY": 60, "QUEUE_TYPE": "quorum"}
-    with override_settings(DEFERRED=values):
-        call_command("declare_delay_topology", stdout=StringIO())
-        plan = plan_topology(get_settings())
-        try:
-            queues = listed_queues("/", prefix)
-            limits = {
-                name: q["arguments"].get("x-delivery-limit")
-                for name, q in queues.items()
-                if q["type"] == "quorum"
-            }
-            ready = {q.name for q in plan.ready_queues.values()}
-            assert set(limits) == {q.name for q in plan.all_queues} - {plan.cancels_queue.name}
-            assert {limits[name] for name in ready} == {get_settings().delivery_limit}
-            assert {limits[name] for name in set(limits) - ready} == {NO_DELIVERY_LIMIT}
-        finally:
-            with admin_channel(broker_url) as admin:
-                for each in _every_plan(admin, plan):
-                    admin.delete_everything(each)
+    with quorum_topology(broker_url, "limits") as plan:
+        queues = listed_queues("/", plan.prefix)
+        limits = {
+            name: q["arguments"].get("x-delivery-limit")
+            for name, q in queues.items()
+            if q["type"] == "quorum"
+        }
+        ready = {q.name for q in plan.ready_queues.values()}
+        assert set(limits) == {q.name for q in plan.all_queues} - {plan.cancels_queue.name}
+        assert {limits[name] for name in ready} == {get_settings().delivery_limit}
+        assert {limits[name] for name in set(limits) - ready} == {NO_DELIVERY_LIMIT}
 
 
 def test_a_failed_job_read_more_often_than_rabbitmq_4s_default_limit_is_kept(broker_url):
     # RabbitMQ 4 drops a quorum queue's message handed back 20 times unless
     # the queue sets its own limit; the failed list is read by taking its
     # messages and handing them back.
-    prefix = f"kept-{uuid.uuid4().hex[:6]}"
-    values = {"BROKER_URL": broker_url, "PREFIX": prefix, "MAX_DELAY": 60, "QUEUE_TYPE": "quorum"}
-    with override_settings(DEFERRED=values):
-        call_command("declare_delay_topology", stdout=StringIO())
-        plan = plan_topology(get_settings())
-    connection = pika.BlockingConnection(pika.URLParameters(broker_url))
-    try:
-        channel = connection.channel()
-        channel.confirm_delivery()
-        channel.basic_publish("", plan.failed_queue.name, b"{}")
+    with quorum_topology(broker_url, "kept") as plan:
+        connection = pika.BlockingConnection(pika.URLParameters(broker_url))
+        try:
+            read_back_26_times(connection, plan.failed_queue.name)
+        finally:
+            connection.close()
 
-        def take() -> Any:
-            # (a quorum queue takes a hand-back in asynchronously: wait for it)
-            taken: list = []
-            wait_for(
-                lambda: taken.append(channel.basic_get(plan.failed_queue.name)[0]) or taken[-1], 5
-            )
-            return taken[-1]
 
-        for read in range(26):
-            method = take()
-            assert method is not None, f"the failed entry was dropped after {read} reads"
-            channel.basic_nack(method.delivery_tag, requeue=True)
-    finally:
-        connection.close()
-        with admin_channel(broker_url) as admin:
-            for each in _every_plan(admin, plan):
-                admin.delete_everything(each)
+def read_back_26_times(connection: pika.BlockingConnection, queue: str) -> None:
+    """Publish one message to ``queue``, then take it and hand it back 26 times."""
+    channel = connection.channel()
+    channel.confirm_delivery()
+    channel.basic_publish("", queue, b"{}")
+
+    def take() -> Any:
+        # (a quorum queue takes a hand-back in asynchronously: wait for it)
+        taken: list = []
+        wait_for(lambda: taken.append(channel.basic_get(queue)[0]) or taken[-1], 5)
+        return taken[-1]
+
+    for read in range(26):
+        method = take()
+        assert method is not None, f"the failed entry was dropped after {read} reads"
+        channel.basic_nack(method.delivery_tag, requeue=True)
 
 
 def test_a_ready_queue_declared_without_the_limits_is_used_with_a_policy_hint(broker_url):
     # A quorum topology of an earlier release: its ready queue has no
     # consumer timeout; declaring with CONSUMER_TIMEOUT set keeps it and says
     # how to apply the setting.
-    prefix = f"older-{uuid.uuid4().hex[:6]}"
-    values = {"BROKER_URL": broker_url, "PREFIX": prefix, "MAX_DELAY": 60, "QUEUE_TYPE": "quorum"}
-    with override_settings(DEFERRED=values):
-        call_command("declare_delay_topology", stdout=StringIO())
-    timed = {**values, "CONSUMER_TIMEOUT": 3600}
-    err = StringIO()
-    with override_settings(DEFERRED=timed):
-        call_command("declare_delay_topology", stdout=StringIO(), stderr=err)
-        plan = plan_topology(get_settings())
-    try:
+    with quorum_topology(broker_url, "older") as plan:
+        err = StringIO()
+        timed = {**settings.DEFERRED, "CONSUMER_TIMEOUT": 3600}
+        with override_settings(DEFERRED=timed):
+            call_command("declare_delay_topology", stdout=StringIO(), stderr=err)
         ready = plan.ready_queues["default"].name
         if broker_version(broker_url) < (3, 12):
             # 3.10 does not know the argument, so it compares nothing: no conflict
@@ -176,12 +183,8 @@ def test_a_ready_queue_declared_without_the_limits_is_used_with_a_policy_hint(br
             return
         assert f"queue {ready} exists with other limits (x-consumer-timeout=None)" in err.getvalue()
         assert '"consumer-timeout": 3600000' in err.getvalue()
-        # The delay queues are not worth a warning each.
-        assert err.getvalue().count("exists with other limits") == 1
-    finally:
-        with admin_channel(broker_url) as admin:
-            for each in _every_plan(admin, plan):
-                admin.delete_everything(each)
+        # One for each ready queue; the delay queues are not worth a warning each.
+        assert err.getvalue().count("exists with other limits") == len(plan.ready_queues)
 
 
 def starts(records: str) -> int:
@@ -193,40 +196,25 @@ def test_consumer_timeout_takes_back_a_job_held_longer_and_the_worker_says_so(
     broker_url, run_worker, records, caplog
 ):
     # Given a quorum topology whose ready queue times out its consumers after 1 s
-    prefix = f"timeout-{uuid.uuid4().hex[:6]}"
-    values = {
-        **settings.DEFERRED,
-        "PREFIX": prefix,
-        "MAX_DELAY": 60,
-        "QUEUE_TYPE": "quorum",
-        "CONSUMER_TIMEOUT": 1,
-    }
     supported = broker_version(broker_url) >= (3, 12)
-    with override_settings(DEFERRED=values):
-        call_command("declare_delay_topology", stdout=StringIO())
-        plan = plan_topology(get_settings())
-        try:
-            run_worker()
-            # When a job runs for longer than that (RabbitMQ checks about once
-            # a second: 4 s leaves it room)
-            started = time.time()
-            with caplog.at_level(logging.WARNING, logger="deferred"):
-                defer(sleepy, 0, records, "long", 4.0)
-                assert wait_for(lambda: starts(records) >= 1, 30)
-                if supported:
-                    # Then (3.12+: the queue's x-consumer-timeout) the broker took it
-                    # back and it started again, and the worker warned with the fix
-                    assert wait_for(lambda: starts(records) >= 2, 30), read_records(records)
-                    assert wait_for(lambda: "CONSUMER_TIMEOUT" in caplog.text, 15), caplog.text
-                else:
-                    # (3.10 knows no per-queue timeout: the broker-wide 30 minutes
-                    # apply, and the job ran once)
-                    time.sleep(max(0.0, started + 9 - time.time()))
-                    assert starts(records) == 1, read_records(records)
-        finally:
-            with admin_channel(broker_url) as admin:
-                for each in _every_plan(admin, plan):
-                    admin.delete_everything(each)
+    with quorum_topology(broker_url, "timeout", CONSUMER_TIMEOUT=1):
+        run_worker()
+        # When a job runs for longer than that (RabbitMQ checks about once
+        # a second: 4 s leaves it room)
+        started = time.time()
+        with caplog.at_level(logging.WARNING, logger="deferred"):
+            defer(sleepy, 0, records, "long", 4.0)
+            assert wait_for(lambda: starts(records) >= 1, 30)
+            if supported:
+                # Then (3.12+: the queue's x-consumer-timeout) the broker took it
+                # back and it started again, and the worker warned with the fix
+                assert wait_for(lambda: starts(records) >= 2, 30), read_records(records)
+                assert wait_for(lambda: "CONSUMER_TIMEOUT" in caplog.text, 15), caplog.text
+            else:
+                # (3.10 knows no per-queue timeout: the broker-wide 30 minutes
+                # apply, and the job ran once)
+                time.sleep(max(0.0, started + 9 - time.time()))
+                assert starts(records) == 1, read_records(records)
 
 
 def test_a_message_over_the_brokers_size_limit_is_a_clear_error_and_the_next_defer_works(
