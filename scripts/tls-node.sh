@@ -33,24 +33,9 @@ fi
 mgmt_port=$((port + 10000))
 dist_port=$((port + 20000))
 
-server_bin=/usr/lib/rabbitmq/bin/rabbitmq-server
-[ -x "$server_bin" ] || server_bin="$(command -v rabbitmq-server || true)"
-server=("$server_bin")
-as_rabbitmq=(env)
-chown_to=""
-release="${DEFERRED_RABBITMQ_RELEASE:-}"
-release_script="$(cd "$(dirname "$0")" && pwd)/rabbitmq-release.sh"
-if [ -n "$release" ]; then
-    # Another release, from its chroot (scripts/rabbitmq-release.sh), as root.
-    server=("$release_script" "$release" exec rabbitmq-server)
-    server_bin="${server[0]}"
-elif [ "$(id -u)" = 0 ] && id rabbitmq >/dev/null 2>&1; then
-    as_rabbitmq=(runuser -u rabbitmq -- env "HOME=$(getent passwd rabbitmq | cut -d: -f6)")
-    chown_to=rabbitmq:rabbitmq
-fi
-# The CLI of the release the nodes run.
-rabbitmqctl() { if [ -n "$release" ]; then "$release_script" "$release" exec rabbitmqctl "$@"; else command rabbitmqctl "$@"; fi; }
-rabbitmq-diagnostics() { if [ -n "$release" ]; then "$release_script" "$release" exec rabbitmq-diagnostics "$@"; else command rabbitmq-diagnostics "$@"; fi; }
+# The server and CLI to run (the local ones, or DEFERRED_RABBITMQ_RELEASE's).
+# shellcheck source=scripts/rabbitmq-programs.sh
+. "$(dirname "$0")/rabbitmq-programs.sh"
 
 answers() { timeout 2 bash -c "exec 3<>/dev/tcp/127.0.0.1/$1" 2>/dev/null; }
 
