@@ -21,7 +21,9 @@ queue, so only the worker has it.
   so it cannot delete a queue: the topology must exist (``DECLARE`` off).
 * ``admin``: declares and removes the topology (``declare_delay_topology``):
   everything under the prefix, and the default exchange for the registry of
-  declared topologies.
+  declared topologies; and moves jobs to another broker (``deferred_transfer``:
+  its staging exchange and queues, and a server-named exclusive queue that
+  tells two URLs of one broker apart).
 
 Pure: no broker I/O. The regexes cover every topology of the prefix (they
 change with RADIX, RESOLUTION, MAX_DELAY and QUEUE_TYPE).
@@ -61,6 +63,7 @@ def for_role(role: str, prefix: str) -> Permissions:
         r"|ready\.[A-Za-z0-9_-]+|failed|topologies|scheduler|schedules|cancels)"
     )
     default = re.escape(DEFAULT_EXCHANGE)
+    staging = rf"{p}\.transfer(\.out)?|amq\.gen-[A-Za-z0-9_-]+"
     if role == "publisher":
         return Permissions(configure=NOTHING, write=f"^{ingest}$", read=NOTHING)
     if role == "worker":
@@ -69,9 +72,9 @@ def for_role(role: str, prefix: str) -> Permissions:
         )
     if role == "admin":
         return Permissions(
-            configure=f"^{everything}$",
-            write=f"^({everything}|{default})$",
-            read=f"^{everything}$",
+            configure=f"^({everything}|{staging})$",
+            write=f"^({everything}|{staging}|{default})$",
+            read=f"^({everything}|{staging})$",
         )
     raise ValueError(f"Unknown role {role!r}: one of {', '.join(ROLES)}.")
 
