@@ -25,6 +25,9 @@ if [ -n "${RABBITMQ_RELEASE:-}" ]; then
 else
     scripts/ensure-rabbitmq.sh
 fi
+# The transfer tests move jobs to a RabbitMQ 4.3 node beside the broker under
+# test, which they start: its chroot is built here, where the network is.
+scripts/rabbitmq-release.sh 4.3 setup
 scripts/ensure-chromium.sh
 python="${PYTHON:-python3}"
 

@@ -23,6 +23,9 @@ else
     scripts/ensure-rabbitmq.sh
     run=()
 fi
+# The transfer tests move jobs to a RabbitMQ 4.3 node beside the broker under
+# test, which they start: its chroot is built here, where the network is.
+scripts/rabbitmq-release.sh 4.3 setup
 scripts/ensure-chromium.sh
 if ! command -v openssl >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     echo "openssl is not installed: installing Debian's package (the TLS tests need it)..."
