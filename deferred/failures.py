@@ -225,7 +225,12 @@ def _parse_failed(body: bytes, headers: dict[str, Any], message_id: str | None) 
     deaths = headers.get("x-death") if isinstance(headers, dict) else None
     first = deaths[0] if isinstance(deaths, list) and deaths else None
     death_reason = str(first.get("reason", "")) if isinstance(first, dict) else ""
-    if death_reason == "delivery_limit":
+    # A bare job moved to another broker (deferred_transfer) was dead-lettered
+    # again on the way: the reason it failed travels in our own header.
+    carried = headers.get(REASON_HEADER) if isinstance(headers, dict) else None
+    if isinstance(carried, bytes):
+        carried = carried.decode(errors="replace")
+    if death_reason == "delivery_limit" or carried == DELIVERY_LIMIT:
         reason, error = DELIVERY_LIMIT, "delivered too many times without an ack (worker crashes?)"
     else:
         reason, error = UNROUTABLE, "no route to its ready queue (run declare_delay_topology)"

@@ -196,3 +196,16 @@ def test_a_batch_is_a_sensible_number(value: str) -> None:
     with pytest.raises(argparse.ArgumentTypeError):
         _batch(value)
     assert _batch("200") == 200
+
+
+def test_a_bare_failed_job_moved_keeps_its_reason_in_our_header():
+    # On the new broker its x-death says it was dead-lettered by the move
+    # (RabbitMQ 4.3 also drops the client's copy): the reason travels in
+    # x-deferred-reason.
+    from deferred import failures
+
+    message = body(NOW - timedelta(seconds=5))
+    moved = {"x-death": [{"reason": "rejected", "queue": "p.transfer", "count": 1}]}
+    carried = {**moved, failures.REASON_HEADER: failures.DELIVERY_LIMIT}
+    assert failures.parse_failed(message, carried, None).reason == failures.DELIVERY_LIMIT
+    assert failures.parse_failed(message, moved, None).reason == failures.UNROUTABLE
