@@ -36,7 +36,8 @@ from deferred.conf import get_settings
 from deferred.jobs import Job, new_job_id, utcnow
 from deferred.scheduler import Command, Entry, Records
 from deferred.topology import Plan, plan_topology
-from deferred.transfer import Transfer, staging_plan
+from deferred.transfer import Transfer
+from deferred.transfer_plan import staging_plan
 from deferred.worker import Worker
 from tests.conftest import ROOT, signed, wait_for
 from tests.testapp.tasks import read_records, timed

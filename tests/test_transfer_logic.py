@@ -13,7 +13,7 @@ from deferred import cancels
 from deferred.jobs import Job, new_job_id
 from deferred.management.commands.deferred_transfer import _amqp_url, _batch
 from deferred.topology import build_plan
-from deferred.transfer import (
+from deferred.transfer_plan import (
     FAILED,
     FAILED_ROUTE,
     JOB,

@@ -12,7 +12,8 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from deferred.broker import BrokerError, safe_url
 from deferred.management.arguments import command_settings
-from deferred.transfer import BATCH, Progress, Summary, Transfer, TransferError
+from deferred.transfer import BATCH, Transfer, TransferError
+from deferred.transfer_plan import Progress, Summary
 
 
 def _amqp_url(value: str) -> str:
