@@ -76,8 +76,11 @@ def queue_per_delay(jobs: int, max_delay_s: float) -> dict[str, Any]:
         delay_ms = int(rng.uniform(0, max_delay_s) * 1000)
         name = f"bench-delay-{tag}-{delay_ms}"
         if name not in queues:
+            # Durable: RabbitMQ 4.3 can deny transient non-exclusive queues
+            # (deprecated feature transient_nonexcl_queues); x-expires removes it.
             channel.queue_declare(
                 name,
+                durable=True,
                 arguments={
                     "x-message-ttl": delay_ms,
                     "x-expires": delay_ms + 2000,
