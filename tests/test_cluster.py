@@ -272,7 +272,11 @@ def test_a_node_killed_under_3000_pending_jobs_loses_none(
     duplicates = check_runs(runs, due)
     first = {label: min(r["at"] for r in rows) for label, rows in runs.items()}
     late = [first[k] - due[k] for k in due if due[k] >= killed_at + 5 and k not in repaired]
-    p99 = percentile(late, 0.99)
+    # (none when deferring the 3,000 jobs took most of their 20 s: a loaded host)
+    p99 = percentile(late, 0.99) if late else 0.0
+    lateness = (
+        f"lateness p50 {statistics.median(late):.3f} s, p99 {p99:.3f} s" if late else "none due"
+    )
     released = [first[k] - due[k] for k in repaired]
     report(
         capsys,
@@ -280,8 +284,8 @@ def test_a_node_killed_under_3000_pending_jobs_loses_none(
         f"(leader of {leaders.get(victim_name, 0)} of {len(delay_queues)} delay queues), back "
         f"after {back_after:.1f} s: 0 lost, 0 early, {duplicates} duplicate(s); worker failover "
         f"{'-' if gap is None else f'{gap:.2f} s'}; jobs due >= 5 s after the kill "
-        f"({len(late)} not stuck): lateness p50 {statistics.median(late):.3f} s, p99 "
-        f"{p99:.3f} s; {len(repaired)} job(s) stuck until deferred_repair"
+        f"({len(late)} not stuck): {lateness}; {len(repaired)} job(s) stuck until "
+        "deferred_repair"
         + (f" (ran {min(released):.0f}-{max(released):.0f} s late)" if released else ""),
     )
     assert duplicates <= 30, f"{duplicates} duplicates (more than 1%)"
