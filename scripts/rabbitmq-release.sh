@@ -20,7 +20,8 @@
 # `start` runs node rabbit-VV@localhost (VV = 43 or 40): AMQP on 127.0.0.1:56VV,
 # the management API on that port + 10000, distribution on that port + 20000,
 # and its own epmd on that port - 1000, with its data, logs and config under
-# /tmp/deferred-rabbitmq-VERSION. `VERSION exec rabbitmqctl ...` talks to it.
+# /tmp/deferred-rabbitmq-VERSION (inside `run`'s namespace, under its folder:
+# the host may run its own). `VERSION exec rabbitmqctl ...` talks to it.
 #
 # `run` gives CMD a network namespace of its own (`unshare --net`), where
 # 127.0.0.1:5672 is free, starts rabbit@localhost there with the management API
@@ -210,11 +211,14 @@ launch() {
         setsid "$self" "$version" exec rabbitmq-server > "$dir/startup.out" 2>&1 < /dev/null &
 }
 
-# The OS pid of node $1's Erlang VM whose data lives in folder $2, found in its
-# environment: nodes of other network namespaces may bear the same name.
+# The OS pid of node $1's Erlang VM whose data lives in folder $2, in this
+# network namespace, found in its environment: nodes of other network
+# namespaces may bear the same name.
 vm_pid() {
-    local pid env
+    local pid env own
+    own="$(readlink /proc/self/ns/net)"
     for pid in $(pgrep -x beam.smp || true); do
+        [ "$(readlink "/proc/$pid/ns/net" 2>/dev/null)" = "$own" ] || continue
         env="$(tr '\0' '\n' 2>/dev/null < "/proc/$pid/environ")" || continue
         if grep -qxF "RABBITMQ_NODENAME=$1" <<< "$env" && grep -qxF "RABBITMQ_MNESIA_BASE=$2/data" <<< "$env"; then
             echo "$pid"
@@ -258,7 +262,8 @@ ctl() { "$self" "$version" exec rabbitmqctl "$@"; }
 
 side_port=$((5600 + short))          # 5643 for 4.3, 5640 for 4.0
 side_node="rabbit-$short@localhost"
-side_dir="/tmp/deferred-rabbitmq-$version"
+# Inside `run`'s namespace, in its folder: /tmp is shared with the host's node.
+side_dir="${DEFERRED_RABBITMQ_RUN_DIR:-/tmp}/deferred-rabbitmq-$version"
 side_epmd=$((side_port - 1000))
 
 side_env() {
@@ -353,7 +358,7 @@ EOF
         "(management plugin: $([ "${RABBITMQ_MANAGEMENT:-1}" = 1 ] && echo on || echo off)," \
         "deprecated features denied: $([ "${RABBITMQ_DENY_DEPRECATED:-0}" = 1 ] && echo all || echo none))."
     export PATH="$dir/bin:$PATH"
-    export DEFERRED_RABBITMQ_RELEASE="$version"
+    export DEFERRED_RABBITMQ_RELEASE="$version" DEFERRED_RABBITMQ_RUN_DIR="$dir"
     "$@" || status=$?
     return "$status"
 }
