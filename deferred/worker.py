@@ -127,7 +127,6 @@ class Worker:
             self.settings.broker_urls,
             [plan.ready_queues[q].name for q in names],
             prefetch=concurrency,
-            shared_prefetch=self.settings.queue_type == "classic",
         )
         #: Set while the worker is consuming (tests and health checks wait on it).
         self.consuming = threading.Event()

@@ -10,11 +10,12 @@ import time
 
 import pika
 import pytest
+from django.conf import settings
 from django.test import override_settings
 
 from deferred import defer
 from deferred.jobs import Job, new_job_id, utcnow
-from tests.conftest import depth, rabbitmqctl, signed, wait_for
+from tests.conftest import depth, rabbitmqctl, signed, topology_of_its_own, wait_for
 from tests.testapp.tasks import explode, read_records, record, sleepy
 
 pytestmark = pytest.mark.usefixtures("clean")
@@ -183,41 +184,84 @@ def test_close_old_connections_runs_around_each_job(clean, run_worker, records, 
     assert calls[0] <= ran <= calls[1]
 
 
-def test_prefetch_caps_unacked_jobs_at_the_concurrency_across_queues(clean, run_worker, records):
+@pytest.fixture(params=["classic", "quorum"])
+def typed_topology(request, clean, broker_url):
+    """The session topology (classic), or a quorum one of the test's own, in force."""
+    if request.param == "classic":
+        yield clean
+        return
+    with override_settings(DEFERRED={**settings.DEFERRED, "QUEUE_TYPE": "quorum"}):
+        with topology_of_its_own(broker_url) as plan:
+            yield plan
+
+
+def held(channel, plan, records: str, jobs: int) -> tuple[int, dict[str, int]] | None:
+    """How many of ``jobs`` (all due, all deferred) the worker holds unacked, and how many
+    still wait in each ready queue; ``None`` if a job started or ended meanwhile.
+
+    A job neither waiting nor finished is one a worker took and has not acked.
+    Passive declares count a quorum queue's waiting jobs at once, where
+    ``rabbitmqctl list_queues`` shows counts a few seconds old.
+    """
+    before = read_records(records)
+    waiting = {name: depth(channel, q.name) for name, q in plan.ready_queues.items()}
+    if read_records(records) != before:
+        return None
+    finished = sum(1 for r in before if r["event"] in ("end", "ran"))
+    return jobs - finished - sum(waiting.values()), waiting
+
+
+def test_prefetch_caps_unacked_jobs_at_the_concurrency_across_queues(
+    typed_topology, raw_channel, run_worker, records
+):
+    # Given a worker of concurrency 1 over two queues, both holding jobs
     run_worker(concurrency=1)
     for n in range(4):
         defer(sleepy, 0, records, f"d{n}", 1.0)
         sleepy.using(queue="other").defer(0, records, f"o{n}", 1.0)
     assert wait_for(lambda: read_records(records), 10)
-    ready = {q.name for q in clean.ready_queues.values()}
 
-    def read() -> tuple[int, int]:
-        """(unacked in both ready queues, the fewer jobs still waiting in one of them)."""
-        listed = rabbitmqctl(
-            "list_queues",
-            "name",
-            "messages_ready",
-            "messages_unacknowledged",
-            "-q",
-            "--no-table-headers",
-        )
-        rows = [line.split() for line in listed.splitlines()]
-        rows = [row for row in rows if row and row[0] in ready]
-        return sum(int(row[2]) for row in rows), min(int(row[1]) for row in rows)
-
-    # Only a read while both queues still hold waiting jobs tells: then a
-    # prefetch of 1 per queue would show 2 unacked. rabbitmqctl reads the two
-    # queues one after the other, not at one instant, so a read across a
-    # hand-over (one job acked, the next delivered) can count 2: up to 3 reads.
-    reads = []
-    for _ in range(3):
-        unacked, waiting = read()
-        if waiting == 0:
+    # Then, while both queues still hold jobs, it holds one of them, not one
+    # per queue (a prefetch of 1 per queue would show 2)
+    reads: list[int] = []
+    deadline = time.monotonic() + 20
+    while len(reads) < 5 and time.monotonic() < deadline:
+        read = held(raw_channel, typed_topology, records, 8)
+        if read is None:
+            continue
+        unacked, waiting = read
+        if min(waiting.values()) == 0:
             break
         reads.append(unacked)
-        if unacked == 1:
-            break
-    assert reads and reads[-1] == 1, reads
+        time.sleep(0.2)
+    assert len(reads) >= 2 and max(reads) == 1, reads
+
+
+def test_with_a_slot_per_queue_an_idle_queue_keeps_its_own_and_the_busy_one_takes_the_rest(
+    typed_topology, raw_channel, run_worker, records
+):
+    # Given a worker of concurrency 3 over two queues, and slow jobs in one of them
+    run_worker(concurrency=3)
+    for n in range(4):
+        defer(sleepy, 0, records, f"d{n}", 2.0)
+    assert wait_for(lambda: len(read_records(records)) >= 2, 10)
+
+    # When a job comes to the idle queue while they run
+    record.using(queue="other").defer(0, records, "other")
+    assert wait_for(lambda: any(r["label"] == "other" for r in read_records(records)), 10)
+    reads = [held(raw_channel, typed_topology, records, 5) for _ in range(3)]
+
+    # Then it ran before the running ones ended: its queue kept a slot of its own
+    assert wait_for(lambda: sum(r["event"] == "end" for r in read_records(records)) == 4, 20)
+    at = {(r["label"], r["event"]): r["at"] for r in read_records(records)}
+    first_end = min(v for (label, event), v in at.items() if event == "end")
+    assert at[("other", "ran")] < first_end, read_records(records)
+    # And the busy queue ran two at once, with the third slot, never three; and
+    # never more than three were held
+    spans = [(at[(f"d{n}", "start")], at[(f"d{n}", "end")]) for n in range(4)]
+    most = max(sum(1 for s, e in spans if s <= start < e) for start, _end in spans)
+    assert most == 2, spans
+    assert all(read is None or read[0] <= 3 for read in reads), reads
 
 
 def test_pending_jobs_survive_a_broker_restart(clean, run_worker, records):

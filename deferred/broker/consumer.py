@@ -1,10 +1,23 @@
 """Consuming: the worker's connection lives on one I/O thread, and other threads
-hand acks back to it with ``add_callback_threadsafe``."""
+hand acks back to it with ``add_callback_threadsafe``.
+
+The worker never holds more unacked jobs than its concurrency, across all its
+queues. RabbitMQ caps unacked deliveries per consumer, and a consumer's cap
+is fixed once it consumes; the cap shared by a channel's consumers
+(``basic.qos`` with ``global``) is the deprecated feature ``global_qos``,
+which 4.3 denies by default and then ignores without a word, and which quorum
+queues never had. So :class:`Slots` splits the concurrency: a queue gets a
+consumer whose prefetch RabbitMQ enforces when there are slots for every
+queue, and the other slots *roam*: the consumer fills them itself with
+``basic.get``, from whichever queue has jobs.
+"""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -27,6 +40,13 @@ from deferred.broker.errors import NOT_DECLARED_HINT, BrokerUnavailable, Topolog
 
 logger = logging.getLogger("deferred.broker")
 
+#: With free roaming slots and no queue known to hold jobs, the queues are looked
+#: into again after this long at first,
+PROBE_FIRST_S = 0.002
+#: and the wait doubles while they stay empty, up to this: how late a job may
+#: start for want of a consumer on its queue, against how often an idle worker asks.
+PROBE_CAP_S = 0.05
+
 
 @dataclass(frozen=True)
 class Delivery:
@@ -43,18 +63,112 @@ class Delivery:
     message_id: str | None = None
 
 
+def pinned_prefetch(limit: int, queues: Sequence[str]) -> dict[str, int]:
+    """The prefetch of each queue's consumer, for ``limit`` unacked jobs in all; the
+    slots not given out here roam.
+
+    One queue takes every slot, as a consumer of prefetch ``limit``: the one
+    case the broker caps alone, and the fastest. Several queues get a consumer
+    each, of prefetch 1, when there are slots for all of them: a job that
+    arrives in an idle queue starts at once, and the other slots go to
+    whichever queues have jobs, where a fixed split would leave a busy queue
+    only its share while the others sit idle. With fewer slots than queues,
+    no consumer: a consumer with room that waits on an empty queue cannot be
+    cancelled without racing a delivery (pika hands that one back, marked
+    redelivered), so every slot roams.
+    """
+    if len(queues) == 1:
+        return {queues[0]: limit}
+    if len(queues) <= limit:
+        return dict.fromkeys(queues, 1)
+    return {}
+
+
+class Slots:
+    """Who may take how many unacked jobs: the worker's cap, with no broker in it.
+
+    The consumers of ``pinned`` queues are capped by RabbitMQ; the
+    ``roaming`` slots are filled by the consumer with ``basic.get``, one job
+    per free slot, so that the two together never exceed ``limit``. Queues
+    with jobs take turns; with none known, the queues whose jobs no consumer
+    would be handed are looked into after a wait that doubles while they stay
+    empty (:data:`PROBE_FIRST_S` to :data:`PROBE_CAP_S`). Driven from the I/O
+    thread only.
+    """
+
+    def __init__(self, limit: int, queues: Sequence[str]) -> None:
+        self.queues = list(queues)
+        self.pinned = pinned_prefetch(limit, self.queues)
+        self.roaming = limit - sum(self.pinned.values())
+        #: Unacked deliveries by tag: the queue whose consumer took it, ``None`` if a slot roamed.
+        self._held: dict[int, str | None] = {}
+        #: Queues thought to hold jobs, in turn: the next roaming slot takes from the first.
+        self._candidates: deque[str] = deque()
+        self._probe_at = 0.0
+        self._probe_wait = PROBE_FIRST_S
+
+    def free(self) -> int:
+        """Roaming slots with no job."""
+        return self.roaming - sum(1 for queue in self._held.values() if queue is None)
+
+    def unseen(self) -> list[str]:
+        """Queues where a job may wait with no consumer to be handed it: no consumer,
+        or one with no room left."""
+        held = [queue for queue in self._held.values() if queue is not None]
+        return [q for q in self.queues if held.count(q) >= self.pinned.get(q, 0)]
+
+    def took(self, tag: int, queue: str, *, pinned: bool, now: float) -> None:
+        """A delivery from ``queue``, pushed to its consumer or taken by a roaming slot."""
+        self._held[tag] = queue if pinned else None
+        # Where one job was, more may wait: that queue goes to the back of the
+        # turn, behind the others with jobs, and they are looked into at once.
+        if queue in self._candidates:
+            self._candidates.remove(queue)
+        if not pinned or queue in self.unseen():
+            self._candidates.append(queue)
+        self._probe_at, self._probe_wait = now, PROBE_FIRST_S
+
+    def settled(self, tag: int) -> None:
+        self._held.pop(tag, None)
+
+    def empty(self, queue: str) -> None:
+        """``queue`` had no job to take: it loses its turn until it shows one."""
+        if queue in self._candidates:
+            self._candidates.remove(queue)
+
+    def next_queue(self, now: float, probe: Callable[[list[str]], list[str]]) -> str | None:
+        """The queue a free roaming slot takes from next, or ``None`` for now.
+
+        With no queue known to hold jobs and the wait over, ``probe`` is asked
+        which of the unseen queues hold some.
+        """
+        if self._candidates:
+            return self._candidates[0]
+        unseen = self.unseen()
+        if not unseen or now < self._probe_at:
+            return None
+        # The wait grows even when the probe finds jobs: only a job taken
+        # resets it, so a count the gets cannot match never makes a busy loop.
+        self._probe_at = now + self._probe_wait
+        self._probe_wait = min(self._probe_wait * 2, PROBE_CAP_S)
+        self._candidates.extend(probe(unseen))
+        return self._candidates[0] if self._candidates else None
+
+    def wait(self, seconds: float, now: float) -> float:
+        """How long the I/O thread may wait for the broker before roaming slots look again."""
+        if not self.free() or self._candidates or not self.unseen():
+            return seconds
+        return max(0.0, min(seconds, self._probe_at - now))
+
+
 class Consumer:
     """The worker's single consuming connection, driven from one I/O thread."""
 
-    def __init__(
-        self, urls: Urls, queues: list[str], prefetch: int, *, shared_prefetch: bool
-    ) -> None:
+    def __init__(self, urls: Urls, queues: list[str], prefetch: int) -> None:
         self.urls = as_urls(urls)
         self.queues = queues
+        #: The most unacked deliveries held at once, all queues together.
         self.prefetch = prefetch
-        #: Cap the unacked messages of all consumers together (classic queues
-        #: only: quorum queues refuse a channel-wide prefetch).
-        self.shared_prefetch = shared_prefetch
         self.generation = 0
         self._connection: pika.BlockingConnection | None = None
         self._channel: BlockingChannel | None = None
@@ -62,6 +176,11 @@ class Consumer:
         self.node: Node | None = None
         self._tags: list[str] = []
         self._cancelled_by_broker: str | None = None
+        #: The cap of the current connection; ``None`` while not connected.
+        self._slots: Slots | None = None
+        #: Whether roaming slots take jobs: from the start until :meth:`cancel`.
+        self._taking = False
+        self._on_delivery: Callable[[Delivery], None] | None = None
 
     def start(self, on_delivery: Callable[[Delivery], None]) -> None:
         """Connect and start consuming; ``BrokerUnavailable`` or ``TopologyNotDeclared``."""
@@ -69,34 +188,57 @@ class Consumer:
         connection, node = open_connection(self.urls)
         with setting_up(connection, node, "start consuming"):
             channel = connection.channel()
-            channel.basic_qos(prefetch_count=self.prefetch)
-            if self.shared_prefetch:
-                channel.basic_qos(prefetch_count=self.prefetch, global_qos=True)
             for queue in self.queues:
                 declared_queue(channel, queue, node)
             self.generation += 1
-            generation = self.generation
             self._cancelled_by_broker = None
+            self._on_delivery = on_delivery
+            slots = Slots(self.prefetch, self.queues)
             channel.add_on_cancel_callback(self._on_broker_cancel)
-            for queue in self.queues:
-
-                def callback(
-                    ch: BlockingChannel, method: Any, props: Any, body: bytes, queue: str = queue
-                ) -> None:
-                    on_delivery(
-                        Delivery(
-                            body=body,
-                            tag=method.delivery_tag,
-                            queue=queue,
-                            redelivered=bool(method.redelivered),
-                            generation=generation,
-                            headers=dict(props.headers or {}),
-                            message_id=props.message_id,
-                        )
-                    )
-
-                self._tags.append(channel.basic_consume(queue, callback))
+            for queue, prefetch in slots.pinned.items():
+                # A consumer's prefetch is the channel's at its basic.consume.
+                channel.basic_qos(prefetch_count=prefetch)
+                self._tags.append(channel.basic_consume(queue, partial(self._pushed, queue)))
         self._connection, self._channel, self.node = connection, channel, node
+        self._slots, self._taking = slots, True
+
+    def _pushed(
+        self, queue: str, channel: BlockingChannel, method: Any, props: Any, body: bytes
+    ) -> None:
+        self._deliver(queue, method, props, body, pinned=True)
+
+    def _deliver(self, queue: str, method: Any, props: Any, body: bytes, *, pinned: bool) -> None:
+        assert self._slots is not None and self._on_delivery is not None
+        self._slots.took(method.delivery_tag, queue, pinned=pinned, now=time.monotonic())
+        self._on_delivery(
+            Delivery(
+                body=body,
+                tag=method.delivery_tag,
+                queue=queue,
+                redelivered=bool(method.redelivered),
+                generation=self.generation,
+                headers=dict(props.headers or {}),
+                message_id=props.message_id,
+            )
+        )
+
+    def _roam(self) -> None:
+        """Fill the free roaming slots, one ``basic.get`` each, from queues with jobs."""
+        channel, slots = self._channel, self._slots
+        if channel is None or slots is None or not self._taking:
+            return
+
+        def probe(queues: list[str]) -> list[str]:
+            return [
+                q for q in queues if channel.queue_declare(q, passive=True).method.message_count
+            ]
+
+        while slots.free() and (queue := slots.next_queue(time.monotonic(), probe)) is not None:
+            method, props, body = channel.basic_get(queue)
+            if method is None:
+                slots.empty(queue)  # another worker took it first
+            else:
+                self._deliver(queue, method, props, body, pinned=False)
 
     def _on_broker_cancel(self, method: Any) -> None:
         # The broker cancels a consumer when its queue is deleted (or its node
@@ -105,11 +247,15 @@ class Consumer:
         self._cancelled_by_broker = str(getattr(method.method, "consumer_tag", "?"))
 
     def poll(self, seconds: float) -> None:
-        """Deliver messages and run queued callbacks for up to ``seconds``."""
-        if self._connection is None or self._channel is None:
+        """Take jobs for the free slots, deliver messages and run queued callbacks for up
+        to ``seconds``."""
+        connection, slots = self._connection, self._slots
+        if connection is None or self._channel is None or slots is None:
             raise BrokerUnavailable("Not connected.")
         try:
-            self._connection.process_data_events(time_limit=seconds)
+            self._roam()
+            wait = slots.wait(seconds, time.monotonic()) if self._taking else seconds
+            connection.process_data_events(time_limit=wait)
         except (*CONNECTION_ERRORS, px.AMQPChannelError) as exc:
             where = self._drop(lost=True)
             raise BrokerUnavailable(f"Lost the connection to RabbitMQ{where}: {exc!r}") from exc
@@ -127,7 +273,8 @@ class Consumer:
             )
 
     def cancel(self) -> None:
-        """Stop receiving new messages; unacked ones stay with us until acked."""
+        """Stop taking new messages; unacked ones stay with us until acked."""
+        self._taking = False
         channel, self._tags = self._channel, []
         if channel is None or not channel.is_open:
             return
@@ -173,6 +320,8 @@ class Consumer:
                 delivery.tag,
             )
             return
+        if self._slots is not None:
+            self._slots.settled(delivery.tag)
         if ack:
             channel.basic_ack(delivery.tag)
         else:
@@ -185,7 +334,7 @@ class Consumer:
         """
         connection, node = self._connection, self.node
         self._connection = self._channel = self.node = None
-        self._tags = []
+        self._tags, self._slots, self._taking = [], None, False
         if connection is not None:
             close_quietly(connection)
         if node is None:
