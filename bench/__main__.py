@@ -1,10 +1,13 @@
 """Run the benchmarks and write ``docs/bench/``: results.json, README.md and plots.
 
 python -m bench [--quick] [--only raw,latency,dispatch,sustained,scale,alternatives,operate,
-                                 schedules,cancels,signing,async,processes,cluster]
+                                 schedules,cancels,signing,async,processes,cluster,releases]
 
 The cluster scenario runs on the local three-node cluster (scripts/local-cluster.sh),
 which it starts if it does not run (and then stops at the end); --smoke leaves it out.
+The releases scenario runs RabbitMQ 4.3 beside the system broker
+(scripts/rabbitmq-release.sh 4.3 start), which it starts if it does not run (and then
+stops at the end); --smoke runs it on the system broker alone.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ SCENARIOS = [
     "async",
     "processes",
     "cluster",
+    "releases",
 ]
 
 
@@ -64,6 +68,17 @@ def parameters(quick: bool, smoke: bool = False) -> dict[str, Any]:
             "async": {"calls": 100, "coroutines": 10, "repeats": 1},
             "processes": {"jobs": 20, "work": 10_000, "counts": (1, 2)},
             "cluster": None,  # the smoke run needs no cluster
+            # Nor a second broker: the system broker alone, one point.
+            "releases": {
+                "brokers": ["system"],
+                "queue_types": ["classic"],
+                "rates": [50],
+                "mix": "uniform 0-0.5 s",
+                "seconds": 1,
+                "rounds": 1,
+                "raw": 200,
+                "warm_up": False,
+            },
         }
     if quick:
         return {
@@ -100,6 +115,16 @@ def parameters(quick: bool, smoke: bool = False) -> dict[str, Any]:
                     "down_s": 5,
                     "after_s": 5,
                 },
+            },
+            "releases": {
+                "brokers": ["system", "4.3"],
+                "queue_types": ["classic", "quorum"],
+                "rates": [100, 500],
+                "mix": "uniform 0-5 s",
+                "seconds": 3,
+                "rounds": 1,
+                "raw": 5000,
+                "warm_up": True,
             },
         }
     return {
@@ -154,6 +179,17 @@ def parameters(quick: bool, smoke: bool = False) -> dict[str, Any]:
                 "after_s": 10,
             },
         },
+        "releases": {
+            "brokers": ["system", "4.3"],
+            "queue_types": ["classic", "quorum"],
+            "rates": [100, 300, 500, 800],
+            "mix": "uniform 0-5 s",
+            "seconds": 8,
+            # Two rounds: the spread between them shows the machine's noise.
+            "rounds": 2,
+            "raw": 20_000,
+            "warm_up": True,
+        },
     }
 
 
@@ -179,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         operate,
         processes,
         raw,
+        releases,
         report,
         scale,
         schedules,
@@ -273,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
             print("== cluster: skipped (the smoke run needs no cluster)", flush=True)
     else:
         step("cluster", lambda: cluster.run(p["cluster"]))
+    # It starts RabbitMQ 4.3 beside the system broker (and stops it if it started it).
+    step("releases", lambda: releases.run(p["releases"]))
     report.write(results, out_dir)
     print(f"Report: {out_dir / 'README.md'}")
     return 0

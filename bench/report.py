@@ -13,6 +13,12 @@ TARGETS = {
     "p99_at_100_per_s_ms": 30.0,
     "worker_rss_mb": 150,
 }
+#: The releases scenario's verdict on ``QUEUE_TYPE``: quorum queues cost "close" to
+#: classic ones when they sustain the same rates (p99 <= 100 ms, none lost, none early)
+#: for at most this many times classic's broker CPU (net of the broker's idle use).
+QUORUM_CLOSE_CPU_RATIO = 1.25
+#: The lateness bound a sustained rate must keep (as the targets': p99 <= 100 ms).
+SUSTAINED_P99_MS = 100.0
 
 
 def _f(value: Any, digits: int = 1) -> str:
@@ -60,6 +66,7 @@ def write(results: dict[str, Any], out: Path) -> None:
     lines += _async(results)
     lines += _processes(results)
     lines += _cluster(results, plots)
+    lines += _releases(results, plots)
     (out / "README.md").write_text("\n".join(lines) + "\n")
 
 
@@ -763,4 +770,323 @@ def _plots(r: dict[str, Any], out: Path) -> dict[str, str]:
         fig.savefig(out / "cluster.png", dpi=100)
         plt.close(fig)
         made["cluster"] = "cluster.png"
+    rel = r.get("releases")
+    if rel and rel.get("points"):
+        fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+        brokers = rel.get("brokers", {})
+        for (name, queue_type), mine in _release_series(rel["points"]).items():
+            rates = sorted({p["offered_per_s"] for p in mine})
+            at = [[p for p in mine if p["offered_per_s"] == rate] for rate in rates]
+            label = f"{brokers.get(name, {}).get('version', name)} {queue_type}"
+            # A colour per broker, a line style per queue type.
+            color = f"C{list(brokers).index(name) if name in brokers else len(brokers)}"
+            style = "-" if queue_type == "quorum" else "--"
+            left.plot(
+                [_median([p["achieved_per_s"] for p in ps]) for ps in at],
+                [_median([p["lateness_ms"]["p99"] for p in ps]) for ps in at],
+                style,
+                marker="o" if queue_type == "quorum" else "s",
+                color=color,
+                label=label,
+            )
+            left.scatter(
+                [p["achieved_per_s"] for p in mine],
+                [p["lateness_ms"]["p99"] for p in mine],
+                color=color,
+                alpha=0.35,
+                s=12,
+            )
+            nets = [[_net_cpu(p, rel["points"]) for p in ps] for ps in at]
+            right.plot(
+                [_median([p["achieved_per_s"] for p in ps]) for ps in at],
+                [_median([v for v in n if v is not None]) for n in nets],
+                style,
+                marker="o" if queue_type == "quorum" else "s",
+                color=color,
+                label=label,
+            )
+        left.set_yscale("log")
+        left.axhline(SUSTAINED_P99_MS, color="grey", linestyle=":")
+        left.set_xlabel(f"achieved jobs/s (delays {rel.get('mix', '')})")
+        left.set_ylabel("p99 lateness (ms); line: median of the rounds")
+        left.legend(fontsize=7)
+        right.set_xlabel("achieved jobs/s")
+        right.set_ylabel("broker CPU, net of its idle use (% of one core)")
+        right.set_ylim(bottom=0)
+        right.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / "releases.png", dpi=100)
+        plt.close(fig)
+        made["releases"] = "releases.png"
     return made
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(v for v in values if v == v)
+    if not ordered:
+        return float("nan")
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def _release_series(points: list[dict[str, Any]]) -> dict[tuple[str, str], list[dict[str, Any]]]:
+    """The releases scenario's points per (broker, queue type), in the order measured."""
+    series: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for p in points:
+        series.setdefault((p["broker"], p["queue_type"]), []).append(p)
+    return series
+
+
+def _idle_cpu(p: dict[str, Any], points: list[dict[str, Any]]) -> float | None:
+    """The CPU ``p``'s broker used, idle, over the other broker's point of the same step."""
+    for q in points:
+        if (
+            q["broker"] != p["broker"]
+            and q["queue_type"] == p["queue_type"]
+            and q["offered_per_s"] == p["offered_per_s"]
+            and q.get("round") == p.get("round")
+            and q.get("other_broker_cpu_pct") is not None
+        ):
+            return float(q["other_broker_cpu_pct"])
+    return None
+
+
+def _net_cpu(p: dict[str, Any], points: list[dict[str, Any]]) -> float | None:
+    idle = _idle_cpu(p, points)
+    return None if idle is None else p["broker_cpu_pct"] - idle
+
+
+def _kept_up(p: dict[str, Any]) -> bool:
+    """The producers deferred at the offered rate and every job ran once due."""
+    return bool(p["achieved_per_s"] >= 0.95 * p["offered_per_s"] and p["lost"] == 0)
+
+
+def _sustains(p: dict[str, Any]) -> bool:
+    on_time = p["lateness_ms"]["p99"] <= SUSTAINED_P99_MS
+    return bool(_kept_up(p) and on_time and p["early"] == 0)
+
+
+def _highest_sustained(points: list[dict[str, Any]]) -> float:
+    """The highest offered rate every point measured at sustained (and every lower rate too)."""
+    best = 0.0
+    for rate in sorted({p["offered_per_s"] for p in points}):
+        if not all(_sustains(p) for p in points if p["offered_per_s"] == rate):
+            break
+        best = rate
+    return best
+
+
+def _cpu_ratio(
+    quorum: list[dict[str, Any]], classic: list[dict[str, Any]], points: list[dict[str, Any]]
+) -> tuple[float, int]:
+    """Quorum's net broker CPU over classic's, summed over the (rate, round) where both
+    kept up with the offered rate (the same work done); and how many such pairs."""
+    q_sum = c_sum = 0.0
+    pairs = 0
+    for q in quorum:
+        for c in classic:
+            if (q["offered_per_s"], q.get("round")) != (c["offered_per_s"], c.get("round")):
+                continue
+            q_net, c_net = _net_cpu(q, points), _net_cpu(c, points)
+            if q_net is None or c_net is None or not (_kept_up(q) and _kept_up(c)):
+                continue
+            q_sum, c_sum, pairs = q_sum + q_net, c_sum + c_net, pairs + 1
+    return (q_sum / c_sum if c_sum > 0 else float("nan")), pairs
+
+
+def _releases(r: dict[str, Any], plots: dict[str, str]) -> list[str]:
+    rel = r.get("releases")
+    if not rel or not rel.get("points"):
+        return []
+    brokers, points, rounds = rel["brokers"], rel["points"], rel.get("rounds", 1)
+
+    def name(key: str) -> str:
+        return f"RabbitMQ {brokers.get(key, {}).get('version', key)}"
+
+    described = []
+    for key, b in brokers.items():
+        port = b["url"].rsplit(":", 1)[1].split("/")[0]
+        plugin = "on" if b.get("management") else "off"
+        if key == "system":
+            where = "the system broker"
+        elif rel.get("started", {}).get(key):
+            where = f"started for this run by `scripts/rabbitmq-release.sh {key} start`"
+        else:
+            where = f"`scripts/rabbitmq-release.sh {key} start`, already running"
+        described.append(
+            f"{name(key)} ({b.get('erlang')}, management plugin {plugin}) on 127.0.0.1:{port}, "
+            f"{where}"
+        )
+    warm = (
+        "200 warm-up jobs (delays capped at 1 s) left out of each point"
+        if rel.get("warm_up", True)
+        else "no warm-up jobs"
+    )
+    versions = " beside ".join(
+        b.get("version", key)
+        for key, b in sorted(brokers.items(), key=lambda kv: kv[0] == "system")
+    )
+    lines = [
+        f"## RabbitMQ releases: {versions}, classic and quorum queues",
+        "",
+        "; ".join(described) + f": the same machine, {r.get('meta', {}).get('cpus', '?')} "
+        "cores. The library's defaults (radix 16, 1 ms) on classic and on quorum queues. Each "
+        f"point as section 4: a fresh topology, one worker process (concurrency "
+        f"{rel.get('concurrency')}), {rel.get('producers')} producer threads calling `defer()`, "
+        f"delays {rel['mix']}, {rel['seconds']} s of producing, {warm}.",
+        "",
+        "The brokers take turns: for each offered rate and queue type, one point on each, the "
+        f"order flipped at every step, in {rounds} round(s); each round starts with pika's raw "
+        "limits (section 1) on each broker. Whatever else the machine does weighs on both "
+        "alike, which makes the comparison fair; the absolute figures still move with that "
+        "other work, and the spread between rounds shows by how much. *Broker CPU*: the "
+        "Erlang VM under test, in percent of one core, over the producing and draining. "
+        "*Idle*: the same VM over the other broker's point of the same step, when the bench "
+        "gave it nothing to do (the machine's other work on it, its management plugin's "
+        "statistics). *Net*: the difference, which the comparisons use. *Machine busy*: all "
+        "of the machine's cores over the same window, the bench's own processes included; "
+        "near 100% the machine, not the broker, was the limit. "
+        f"({_f(r.get('releases_seconds'), 0)} s for the scenario.)",
+        "",
+    ]
+    if rel.get("stopped"):
+        lines += [
+            f"**The run stopped early**, at {rel['stopped']}. The points measured until then "
+            "are shown.",
+            "",
+        ]
+    raw = rel.get("raw", [])
+    if raw:
+        lines += [
+            "| broker | round | publish, no confirms/s | publish, each confirmed/s | "
+            "consume + ack (prefetch 100)/s |",
+            "|---|---|---|---|---|",
+        ]
+        for row in raw:
+            lines.append(
+                f"| {name(row['broker'])} | {row['round']} | "
+                f"{_f(row['publish_no_confirm_per_s'], 0)} | "
+                f"{_f(row['publish_confirm_each_per_s'], 0)} | "
+                f"{_f(row['consume_ack_prefetch100_per_s'], 0)} |"
+            )
+        lines.append("")
+    lines += [
+        "| offered/s | queues | broker | round | achieved/s | p50 ms | p99 ms | max ms | early "
+        "| lost | broker CPU | idle | net | machine busy |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    rank = {key: n for n, key in enumerate(brokers)}
+    ordered = sorted(
+        points,
+        key=lambda p: (
+            p["offered_per_s"],
+            p["queue_type"],
+            p.get("round", 1),
+            rank.get(p["broker"], len(rank)),
+        ),
+    )
+    for p in ordered:
+        lat = p["lateness_ms"]
+        idle, net = _idle_cpu(p, points), _net_cpu(p, points)
+        lines.append(
+            f"| {_f(p['offered_per_s'], 0)} | {p['queue_type']} | {name(p['broker'])} | "
+            f"{p.get('round', 1)} | {_f(p['achieved_per_s'], 0)} | {_f(lat['p50'])} | "
+            f"{_f(lat['p99'])} | {_f(lat['max'])} | {p['early']} | {p['lost']} | "
+            f"{_f(p['broker_cpu_pct'], 0)}% | {'-' if idle is None else _f(idle, 0) + '%'} | "
+            f"{'-' if net is None else _f(net, 0) + '%'} | "
+            f"{_f(p.get('machine_busy_pct'), 0)}{'%' if 'machine_busy_pct' in p else ''} |"
+        )
+    lines.append("")
+    reconnects = sum(p.get("worker_reconnects", 0) for p in points)
+    if reconnects:
+        lines += [
+            f"In {sum(1 for p in points if p.get('worker_reconnects'))} point(s) something "
+            f"else closed the worker's connection ({reconnects} reconnect(s) in all); their "
+            "lateness includes it.",
+            "",
+        ]
+    if "releases" in plots:
+        lines += [f"![releases: lateness and broker CPU]({plots['releases']})", ""]
+    series = _release_series(points)
+    lines += [
+        f"| broker | queues | highest rate sustained (p99 <= {_f(SUSTAINED_P99_MS, 0)} ms, "
+        "every point at that rate) | p99 at the lowest rate, per round | net CPU per 100 jobs/s "
+        "(median of the points kept up) | quorum / classic net CPU (summed over the points "
+        "both kept up) |",
+        "|---|---|---|---|---|---|",
+    ]
+    ratios: dict[str, tuple[float, int]] = {}
+    for key in brokers:
+        if (key, "quorum") in series and (key, "classic") in series:
+            ratios[key] = _cpu_ratio(series[key, "quorum"], series[key, "classic"], points)
+    for (key, queue_type), mine in sorted(
+        series.items(), key=lambda item: (rank.get(item[0][0], len(rank)), item[0][1])
+    ):
+        lowest = min(p["offered_per_s"] for p in mine)
+        per_100 = [
+            100 * net / p["achieved_per_s"]
+            for p in mine
+            if _kept_up(p) and (net := _net_cpu(p, points)) is not None
+        ]
+        ratio = ""
+        if queue_type == "quorum" and key in ratios:
+            ratio = f"{_f(ratios[key][0], 2)} ({ratios[key][1]} pairs)"
+        lines.append(
+            f"| {name(key)} | {queue_type} | {_f(_highest_sustained(mine), 0)}/s | "
+            + " / ".join(_f(p["lateness_ms"]["p99"]) for p in mine if p["offered_per_s"] == lowest)
+            + f" ms | {_f(_median(per_100), 1)}% | {ratio} |"
+        )
+    lines.append("")
+    lines += _releases_verdict(rel, series, ratios, name)
+    return lines
+
+
+def _releases_verdict(
+    rel: dict[str, Any],
+    series: dict[tuple[str, str], list[dict[str, Any]]],
+    ratios: dict[str, tuple[float, int]],
+    name: Any,
+) -> list[str]:
+    """The conclusion on ``QUEUE_TYPE``, by the rule of ``QUORUM_CLOSE_CPU_RATIO``."""
+    newest = next((k for k in ("4.3",) if k in ratios), None)
+    if newest is None:
+        return []
+    ratio, pairs = ratios[newest]
+    best_q = _highest_sustained(series[newest, "quorum"])
+    best_c = _highest_sustained(series[newest, "classic"])
+    others = [
+        f"{_f(value, 2)} on {name(key)}" for key, (value, _n) in ratios.items() if key != newest
+    ]
+    if not pairs or ratio != ratio or not best_c:
+        return [
+            f"**Conclusion.** This run cannot tell: on {name(newest)} classic queues sustained "
+            "no rate, or no rate was kept up by both queue types (the machine was too busy).",
+            "",
+        ]
+    close = ratio <= QUORUM_CLOSE_CPU_RATIO and best_q >= best_c
+    lines = [
+        f"**Conclusion.** On {name(newest)}, quorum queues used {_f(ratio, 2)} times the net "
+        f"broker CPU of classic ones at the same rates ({pairs} pairs of points both kept "
+        f"up{'; ' + ', '.join(others) if others else ''}), and sustained up to "
+        f"{_f(best_q, 0)} jobs/s against classic's {_f(best_c, 0)} (p99 <= "
+        f"{_f(SUSTAINED_P99_MS, 0)} ms at every point, none lost, none early).",
+        "",
+    ]
+    if close:
+        lines.append(
+            f"That is close (the rule here: at most {QUORUM_CLOSE_CPU_RATIO:g} times classic's "
+            "CPU, and the same rates sustained): on 4.3 the closed crash window between "
+            "levels (quorum queues dead-letter at least once) costs little, and `QUEUE_TYPE` "
+            'should default to `"quorum"` there.'
+        )
+    else:
+        lines.append(
+            f"That is not close (the rule here: at most {QUORUM_CLOSE_CPU_RATIO:g} times "
+            "classic's CPU, and the same rates sustained). Quorum queues close the crash "
+            "window between levels (they dead-letter at least once; classic queues can lose "
+            "a job moving between two levels if the broker crashes at that instant), and "
+            "classic queues cost the broker less CPU per job: `QUEUE_TYPE` keeps its "
+            '`"classic"` default, and `"quorum"` stays the setting for jobs a broker crash '
+            "must not lose, at that price."
+        )
+    return [*lines, ""]

@@ -31,6 +31,9 @@ def test_bench_smoke_run_writes_the_report(tmp_path, broker_url):
     assert point["ran"] == point["jobs"] and point["early"] == 0
     assert results["scale"]["lost"] == 0 and results["scale"]["sample"]["ran"] == 200
     assert results["alternatives"]["table_scan"][0]["ran"] == 20
+    # The releases scenario, on the system broker alone (no second release to start).
+    release_point = results["releases"]["points"][0]
+    assert release_point["lost"] == 0 and release_point["early"] == 0
     report = (out / "README.md").read_text()
     for heading in ("## Targets", "## 1. Raw limit", "## 4. Sustained", "## 6. The alternatives"):
         assert heading in report
