@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -68,18 +69,23 @@ def current_plan() -> Plan:
 def import_definitions(url: str) -> None:
     """What an operator does: print the definitions, import them, wait until they are there.
 
-    The document goes in on standard input: rabbitmqctl may run as another
-    user, who cannot read the test's temporary directory. The import is
-    asynchronous: rabbitmqctl returns before it is done.
+    The document goes in as a world-readable file under /tmp: rabbitmqctl may
+    run as another user, who cannot read the test's temporary directory, and
+    RabbitMQ 4.0's CLI never returns when it is given the document on
+    standard input. The import is asynchronous: rabbitmqctl returns before it
+    is done.
     """
-    subprocess.run(
-        ["rabbitmqctl", "import_definitions"],
-        input=run("--format", "definitions"),
-        check=True,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    with tempfile.NamedTemporaryFile("w", suffix=".json", dir="/tmp") as document:
+        document.write(run("--format", "definitions"))
+        document.flush()
+        os.chmod(document.name, 0o644)
+        subprocess.run(
+            ["rabbitmqctl", "import_definitions", document.name],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     plan = current_plan()
 
     def complete() -> bool:
