@@ -3,8 +3,9 @@
 Threads: the thread that calls :meth:`Worker.run` owns the broker connection
 and only does I/O (deliveries, acks, heartbeats); jobs run in a thread pool,
 so a long job never starves the heartbeats, and each job hands its ack back
-to the I/O thread. Prefetch equals concurrency: the broker never gives this
-worker more jobs than it can start, and the rest stay available to others.
+to the I/O thread. Prefetch equals concurrency, across all its queues
+(deferred.broker.consumer): this worker never holds more jobs than it can
+start, and the rest stay available to others.
 
 Cancels: a reader thread follows the cancels stream (deferred.cancels); a
 job found there is acked without running (``outcome=cancelled``), and a job
