@@ -89,21 +89,26 @@ class _Counting(Worker):
     """A worker that counts the jobs it holds unacked: delivered to it, not yet settled.
 
     Both ends are counted on its I/O thread, in the order RabbitMQ sees them
-    (the worker's own count of running jobs drops before the ack is sent).
+    (the worker's own count of running jobs drops before the ack is sent), and
+    per connection: when one is lost (another client's ``rabbitmqctl
+    close_all_connections`` on a shared broker), RabbitMQ takes its jobs back.
     """
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.held = self.peak = 0
+        self.held = self.peak = self.generation = 0
         settle = self.consumer._settle
 
         def counted(delivery: Any, ack: bool, requeue: bool) -> None:
-            self.held -= 1
+            if delivery.generation == self.generation:
+                self.held -= 1
             settle(delivery, ack, requeue)
 
         self.consumer._settle = counted  # type: ignore[method-assign]
 
     def _on_delivery(self, delivery: Any) -> None:
+        if delivery.generation != self.generation:
+            self.generation, self.held = delivery.generation, 0
         self.held += 1
         self.peak = max(self.peak, self.held)
         super()._on_delivery(delivery)
