@@ -17,6 +17,10 @@
 # RabbitMQ does not answer.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+scripts="$PWD/scripts"
+# With no pytest arguments: the whole suite, in two runs (scripts/pytest-runs.sh).
+whole=0
+[ $# -eq 0 ] && whole=1
 
 release=()
 if [ -n "${RABBITMQ_RELEASE:-}" ]; then
@@ -60,4 +64,5 @@ print(
 PY
 # The demo command's test clones the committed tree and runs scripts/demo.sh on
 # python3, whatever is installed here: it tests the checkout, and test.sh runs it.
-${release[@]+"${release[@]}"} "$work/venv/bin/pytest" --ignore=tests/test_readme_commands.py "$@"
+WHOLE="$whole" "$scripts/pytest-runs.sh" ${release[@]+"${release[@]}"} \
+    "$work/venv/bin/pytest" --ignore=tests/test_readme_commands.py "$@"

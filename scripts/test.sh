@@ -13,6 +13,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# With no pytest arguments: the whole suite, in two runs (scripts/pytest-runs.sh).
+whole=0
+[ $# -eq 0 ] && whole=1
 if [ -n "${RABBITMQ_RELEASE:-}" ]; then
     scripts/rabbitmq-release.sh "$RABBITMQ_RELEASE" setup
     # Its namespace has no network: the demo command's test, which installs
@@ -38,4 +41,4 @@ venv="$(scripts/bootstrap.sh "${PYTHON:-python3}")"
 "$venv/bin/ruff" format --check .
 "$venv/bin/mypy" deferred demo_project bench
 
-${run[@]+"${run[@]}"} "$venv/bin/pytest" "$@"
+WHOLE="$whole" scripts/pytest-runs.sh ${run[@]+"${run[@]}"} "$venv/bin/pytest" "$@"
