@@ -363,9 +363,12 @@ def test_defer_from_4_threads_while_a_node_is_killed(
     report(
         capsys,
         f"cluster (c): defer() from 4 threads across a SIGKILL of {NODES[0]}: "
-        f"{len(publisher.returned)} returned an id (all ran, {len(repaired)} after "
-        f"deferred_repair), {len(publisher.raised)} raised BrokerUnavailable; defer_many() of "
-        f"20: {len(many.returned) // 20} batches returned, {len(many.raised)} raised; errors: "
+        f"{len(publisher.returned)} returned an id (all ran, "
+        f"{len(repaired & set(publisher.due))} after deferred_repair), "
+        f"{len(publisher.raised)} raised BrokerUnavailable; defer_many() of 20: "
+        f"{len(many.returned) // 20} batches returned (all ran, "
+        f"{len(repaired & set(many.due))} jobs after deferred_repair), "
+        f"{len(many.raised)} raised; errors: "
         f"{sorted({str(e)[:90] for e in publisher.raised + many.raised})}",
     )
 
