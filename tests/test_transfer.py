@@ -10,9 +10,11 @@ cannot start it fails.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -55,10 +57,10 @@ def new_broker() -> Iterator[str]:
     """RabbitMQ 4.3 on 127.0.0.1:5643, left as it was found.
 
     Inside `scripts/rabbitmq-release.sh VERSION run -- ...` (a network namespace of
-    its own) the script's `start` would take a side node of the host for its own (it
-    finds nodes by name and folder, and both are shared), and its `stop` would stop
-    that one: there the node starts in a PID and mount namespace of its own instead,
-    with a private /tmp, and goes when that namespace's first process is killed.
+    its own) the node starts in a PID namespace of its own, with a folder of its own,
+    and goes when that namespace's first process is killed: the script's `stop` there
+    would look for the node by name and folder, and the test's node must never be
+    confused with another.
     """
     if answers(NEW_URL):
         yield NEW_URL
@@ -83,13 +85,19 @@ def new_broker() -> Iterator[str]:
 
 @contextmanager
 def _private_node() -> Iterator[str]:
-    script = 'mount -t tmpfs tmpfs /tmp && "$0" 4.3 start && exec sleep infinity'
-    log = Path(os.environ.get("TMPDIR", "/var/tmp")) / f"deferred-transfer-{uuid.uuid4().hex}.log"
+    # Not a private /tmp (a tmpfs over it): the checkout itself may live under /tmp, as
+    # scripts/test-wheel.sh's clone does, and the script would vanish. The node's folder
+    # goes under /tmp, which the release's chroot binds in.
+    folder = Path(tempfile.mkdtemp(prefix="deferred-transfer-", dir="/tmp"))
+    folder.chmod(0o755)
+    log = folder / "start.log"
+    script = '"$0" 4.3 start && exec sleep infinity'
     with log.open("w") as out:
         unshare = subprocess.Popen(
             ["unshare", "--pid", "--fork", "--mount-proc", "--", "bash", "-c", script, RELEASE],
             stdout=out,
             stderr=subprocess.STDOUT,
+            env={**os.environ, "DEFERRED_RABBITMQ_RUN_DIR": str(folder)},
         )
     try:
         if not wait_for(lambda: answers(NEW_URL) or unshare.poll() is not None, 600, 0.5):
@@ -106,7 +114,7 @@ def _private_node() -> Iterator[str]:
         for pid in children.read_text().split() if children.exists() else ():
             os.kill(int(pid), signal.SIGKILL)
         unshare.wait(30)
-        log.unlink(missing_ok=True)
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------- topologies
