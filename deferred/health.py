@@ -16,13 +16,15 @@ import os
 import time
 from pathlib import Path
 
+from deferred.outcomes import Observer
+
 logger = logging.getLogger("deferred.worker")
 
 #: How often the file is touched while consuming; probes allow a few times this.
 INTERVAL_S = 2.0
 
 
-class HealthFile:
+class HealthFile(Observer):
     """The file, touched at most every :data:`INTERVAL_S` while the worker consumes."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
@@ -44,6 +46,13 @@ class HealthFile:
             os.utime(self.path)
         except OSError as exc:  # a full disk must not stop the jobs; the probe will tell
             logger.warning("Cannot touch the health file %s: %s", self.path, exc)
+
+    def consuming(self, up: bool) -> None:
+        """Touched at once when consuming starts, removed when it stops."""
+        if up:
+            self.beat(force=True)
+        else:
+            self.remove()
 
     def remove(self) -> None:
         """Not consuming: the probe must fail from now on."""

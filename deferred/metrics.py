@@ -16,6 +16,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from deferred.outcomes import Observer, Outcome
+
 #: Lateness: from "on time" (a few ms) to a backlog of minutes.
 LATENESS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900)
 #: Duration: from a trivial task to a long batch job.
@@ -37,7 +39,7 @@ def prometheus_client() -> Any:
         ) from None
 
 
-class WorkerMetrics:
+class WorkerMetrics(Observer):
     """The worker's counters, histograms and gauges, and the HTTP server that shows them."""
 
     def __init__(self, queues: tuple[str, ...]) -> None:
@@ -48,7 +50,7 @@ class WorkerMetrics:
         self.jobs = client.Counter(
             "deferred_jobs",
             "Jobs handled by this worker, by task, target queue and outcome "
-            "(succeeded, failed, retrying, cancelled, rescheduled, requeued, dropped).",
+            f"({', '.join(Outcome)}).",
             ["task", "queue", "outcome"],
             registry=self.registry,
         )
@@ -92,6 +94,15 @@ class WorkerMetrics:
 
     def queue_label(self, queue: str) -> str:
         return queue if queue in self._queues else UNKNOWN
+
+    def consuming(self, up: bool) -> None:
+        self.up.set(1 if up else 0)
+
+    def started(self) -> None:
+        self.running.inc()
+
+    def finished(self) -> None:
+        self.running.dec()
 
     def outcome(
         self,

@@ -7,6 +7,11 @@ to the I/O thread. Prefetch equals concurrency, across all its queues
 (deferred.broker.consumer): this worker never holds more jobs than it can
 start, and the rest stay available to others.
 
+What happens to one delivery (cancel check, redelivery count, run, retry
+or fail, log) is :mod:`deferred.pipeline`; this module is the connection,
+the loop and the threads. The metrics and the health file watch through
+:class:`deferred.outcomes.Observer`.
+
 Cancels: a reader thread follows the cancels stream (deferred.cancels); a
 job found there is acked without running (``outcome=cancelled``), and a job
 cancelled while it ran is not retried.
@@ -23,39 +28,35 @@ import os
 import signal
 import socket
 import threading
-import time
 from collections import Counter
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
-from datetime import datetime, timedelta
 from types import FrameType
 from typing import Any
 
-from django.db import close_old_connections
-
-from deferred import failures, intake, signing, tracing
 from deferred.broker import (
     BrokerError,
     BrokerUnavailable,
     Consumer,
     Delivery,
     TopologyNotDeclared,
-    publisher,
     verify_topology,
 )
 from deferred.cancels import CancelWatch, cancel_route_missing
 from deferred.cluster import management_api
 from deferred.conf import DeferredSettings, get_settings
-from deferred.delays import capped_delay_ms
 from deferred.health import HealthFile
-from deferred.jobs import Job, utcnow
-from deferred.metrics import UNKNOWN as UNKNOWN_TASK_LABEL
 from deferred.metrics import WorkerMetrics
-from deferred.publishing import note_verified, publish
-from deferred.retries import Decision
-from deferred.runnable import resolve
+from deferred.outcomes import JOB_LINE, Observers, Outcome
+from deferred.pipeline import (
+    CANCELS_RETRY_S,
+    CANCELS_TIMEOUT_S,
+    DELIVERIES_HEADER,
+    Pipeline,
+    Released,
+)
+from deferred.publishing import note_verified
 from deferred.scheduler import Scheduler, scheduled_tasks
-from deferred.tasks import UnknownTask, get_task
 from deferred.topology import plan_topology
 from deferred.watch import StuckWatch
 
@@ -66,27 +67,16 @@ RECONNECT_FIRST_S = 0.5
 RECONNECT_CAP_S = 30.0
 #: How long to wait before handing back a job whose failure could not be stored.
 REQUEUE_PAUSE_S = 2.0
-#: Log level of the per-job line by outcome; anything else is a failure (ERROR).
-_OUTCOME_LEVELS = {
-    "succeeded": logging.INFO,
-    "rescheduled": logging.INFO,
-    "retrying": logging.WARNING,
-    "cancelled": logging.INFO,
-}
-#: The worker's line per job (logger ``deferred.worker``), then ``key=value`` extras:
-#: ``reason=`` and ``error=`` for a failure, ``retry_in_ms=`` for a retry,
-#: ``early_by_ms=`` or ``wait_for_cancels_ms=`` for a reschedule.
-JOB_LINE = "job=%s task=%s attempt=%d lateness_ms=%.1f outcome=%s duration_ms=%.1f%s"
-#: How long a job waits for the cancels to be read before it goes back to wait,
-CANCELS_TIMEOUT_S = 10.0
-#: and how long it then waits in the delay queues before it is tried again.
-CANCELS_RETRY_S = 5.0
-#: On classic ready queues: how many deliveries of this job ended without an ack.
-DELIVERIES_HEADER = "x-deferred-deliveries"
-
-
-class _Released(Exception):
-    """The connection that delivered a job went while it waited: it is not ours any more."""
+#: Names that moved to deferred.pipeline and deferred.outcomes, still importable from
+#: here (they are read there: change them on deferred.pipeline).
+__all__ = [
+    "CANCELS_RETRY_S",
+    "CANCELS_TIMEOUT_S",
+    "DELIVERIES_HEADER",
+    "JOB_LINE",
+    "REQUEUE_PAUSE_S",
+    "Worker",
+]
 
 
 class Worker:
@@ -117,8 +107,6 @@ class Worker:
         self.queues = names
         #: Names this worker in django.tasks results (``worker_ids``) and in retried jobs.
         self.worker_id = f"{socket.gethostname()}:{os.getpid()}"
-        #: Quorum queues count deliveries themselves (x-delivery-limit).
-        self.count_redeliveries = self.settings.queue_type == "classic"
         self.concurrency = concurrency
         self.install_signal_handlers = install_signal_handlers
         self.poll_interval = poll_interval
@@ -143,8 +131,17 @@ class Worker:
         self.metrics = metrics
         #: A file touched while consuming (``--health-file``), if asked for.
         self.health = health
-        #: Task names resolved here: the only task labels the metrics use.
-        self._known_tasks: set[str] = set()
+        #: Told what the worker does: the metrics and the health file, if any.
+        self.observer = Observers([metrics, health])
+        #: What happens to each delivery, in the pool's threads.
+        self.pipeline = Pipeline(
+            self.settings,
+            plan,
+            cancels=self.cancels,
+            holds=self.consumer.holds,
+            observer=self.observer,
+            worker_id=self.worker_id,
+        )
         #: Competes to schedule the recurring jobs (if there are any and ``schedules``).
         self.scheduler = (
             Scheduler(self.settings, self.worker_id)
@@ -208,8 +205,7 @@ class Worker:
                     wait_s = RECONNECT_FIRST_S
                     while not self._stopping.is_set():
                         self.consumer.poll(self.poll_interval)
-                        if self.health is not None:
-                            self.health.beat()
+                        self.observer.beat()
                     self._consuming(False)
                     self.consumer.cancel()
                     self._drain()
@@ -242,18 +238,12 @@ class Worker:
             logger.info("Worker stopped.")
 
     def _consuming(self, consuming: bool) -> None:
-        """Say whether jobs are being taken: the event, the health file and the gauge."""
+        """Say whether jobs are being taken: the event, and the observers."""
         if consuming:
             self.consuming.set()
         else:
             self.consuming.clear()
-        if self.health is not None:
-            if consuming:
-                self.health.beat(force=True)
-            else:
-                self.health.remove()
-        if self.metrics is not None:
-            self.metrics.up.set(1 if consuming else 0)
+        self.observer.consuming(consuming)
 
     def _stuck_watch(self) -> StuckWatch | None:
         """On quorum queues, a watch over stuck dead-letters, if the management API may be asked."""
@@ -302,12 +292,12 @@ class Worker:
         ack = released = False
         try:
             if not self.consumer.holds(delivery):
-                raise _Released
+                raise Released
             outcome = self.process(delivery)
             with self._lock:
                 self.outcomes[outcome] += 1
             ack = True
-        except _Released:
+        except Released:
             # Its connection is gone, so RabbitMQ has already redelivered it:
             # running it here too would only make a duplicate.
             logger.info("Skipping a job delivered on a lost connection; it was redelivered.")
@@ -346,106 +336,9 @@ class Worker:
             with self._lock:
                 self._inflight -= 1
 
-    def process(self, delivery: Delivery) -> str:
-        """Run or dispose of one message; return its outcome.
-
-        Raises ``BrokerError`` only when the outcome (a retry, a failure
-        record) could not be made durable: the message must then not be acked.
-        """
-        job = intake.read(delivery.body, delivery.headers, self.settings)
-        if isinstance(job, intake.Refused):
-            return self._refuse(delivery, job)
-
-        # Read every cancel confirmed before the job came due first: a cancel
-        # issued a moment before must win (clocks agreeing, as for "never early").
-        try:
-            cancelled = self.cancels.is_cancelled(
-                job.id, CANCELS_TIMEOUT_S, due=job.due.timestamp()
-            )
-        except BrokerUnavailable as exc:
-            self._check_held(delivery)
-            # Not run on a guess, and not handed back either (each hand-back
-            # counts towards DELIVERY_LIMIT): it waits in the delay queues.
-            return self._wait_for_cancels(job, delivery, exc)
-        # The wait may have been long enough for the delivering node to go.
-        self._check_held(delivery)
-        if cancelled:
-            self._log(job, (utcnow() - job.due).total_seconds() * 1000, "cancelled", 0.0)
-            return "cancelled"
-
-        if delivery.redelivered and self.count_redeliveries:
-            outcome = self._count_redelivery(delivery, job)
-            if outcome:
-                return outcome
-
-        started = utcnow()
-        lateness_ms = (started - job.due).total_seconds() * 1000
-        if lateness_ms < 0:
-            return self._reschedule_early(job, delivery, started)
-        try:
-            task = resolve(job)
-            self._known_tasks.add(job.task)
-        except UnknownTask as exc:
-            if job.occurrence is not None:
-                # Planned before its task left the code: the schedule is gone too.
-                logger.warning(
-                    "Dropping occurrence %s of schedule %s: no such task any more.",
-                    job.occurrence.isoformat(),
-                    job.task,
-                )
-                self._count(job, "dropped")
-                return "dropped"
-            self._fail(job, delivery, failures.UNKNOWN_TASK, exc)
-            self._log(job, lateness_ms, "failed", 0.0, "reason=unknown_task")
-            return "failed"
-
-        clock = time.monotonic()
-        error: BaseException | None = None
-        if self.metrics is not None:
-            self.metrics.running.inc()
-        try:
-            close_old_connections()
-            with tracing.consumer_span(job, delivery.headers, job.queue, lateness_ms):
-                task.run(job, self.worker_id)
-        except BaseException as exc:  # noqa: BLE001 - any failure is retried or recorded
-            error = exc
-        finally:
-            close_old_connections()
-            if self.metrics is not None:
-                self.metrics.running.dec()
-        duration_ms = (time.monotonic() - clock) * 1000
-        if error is None:
-            self._log(job, lateness_ms, "succeeded", duration_ms, ran=True)
-            return "succeeded"
-        if self._cancelled_while_running(job):
-            # Cancelled while it ran: it finished, and is neither retried nor kept as failed.
-            self._log(
-                job,
-                lateness_ms,
-                "cancelled",
-                duration_ms,
-                f"error={type(error).__name__}: {failures.describe(error)}",
-                ran=True,
-            )
-            return "cancelled"
-
-        decision = task.retry_policy(self.settings).decide(error, job.attempt)
-        if decision.retry:
-            try:
-                return self._retry(job, delivery, decision.delay, lateness_ms, duration_ms, error)
-            except (TypeError, ValueError) as bad_delay:  # e.g. Retry(delay=-1)
-                error = bad_delay
-                decision = Decision(False, reason=failures.TASK_ERROR)
-        self._fail(job, delivery, decision.reason, error)
-        self._log(
-            job,
-            lateness_ms,
-            "failed",
-            duration_ms,
-            f"reason={decision.reason} error={type(error).__name__}: {failures.describe(error)}",
-            ran=True,
-        )
-        return "failed"
+    def process(self, delivery: Delivery) -> Outcome:
+        """Run or dispose of one message; return its outcome (:mod:`deferred.pipeline`)."""
+        return self.pipeline.process(delivery)
 
     def _check_cancel_route(self) -> None:
         """Log, once per connection, a topology whose cancels cannot be routed.
@@ -461,236 +354,3 @@ class Worker:
                 "definitions, or run declare_delay_topology).",
                 missing,
             )
-
-    def _refuse(self, delivery: Delivery, refused: intake.Refused) -> str:
-        """Send a message that is not a job to run to the failed queue, as it came.
-
-        Logged with its message id and why: a body that failed the size or
-        signature check was not read, and its content (a forged job's
-        arguments could be anything) is not shown.
-        """
-        record = failures.failure_record(
-            reason=refused.reason,
-            job=None,
-            body=delivery.body,
-            detail=refused.detail,
-            message_id=delivery.message_id,
-            keep_body=refused.keep_body,
-        )
-        failures.store_failure(self.settings, record)
-        logger.error(
-            "job=%s queue=%s outcome=failed reason=%s detail=%s",
-            record["id"],
-            delivery.queue,
-            refused.reason,
-            refused.detail,
-        )
-        if self.metrics is not None:
-            self.metrics.outcome(UNKNOWN_TASK_LABEL, self._target_of(delivery.queue), "failed")
-        return "failed"
-
-    def _check_held(self, delivery: Delivery) -> None:
-        """Raise ``_Released`` if ``delivery``'s connection went while the job waited.
-
-        Waiting for the cancels can take seconds when a node dies; the
-        message is then redelivered elsewhere, and running (or re-publishing)
-        this copy would duplicate it.
-        """
-        if not self.consumer.holds(delivery):
-            raise _Released
-
-    def _cancelled_while_running(self, job: Job) -> bool:
-        """Whether a job whose attempt just failed was cancelled meanwhile.
-
-        If the cancels cannot be read now, what is known decides: the retry,
-        if any, is checked again when it comes due.
-        """
-        try:
-            return self.cancels.is_cancelled(job.id, CANCELS_TIMEOUT_S)
-        except BrokerUnavailable:
-            return job.id in self.cancels.view
-
-    def _wait_for_cancels(self, job: Job, delivery: Delivery, error: BrokerError) -> str:
-        """Send a due job back for a short wait while the cancels cannot be read."""
-        wait_ms = capped_delay_ms(
-            CANCELS_RETRY_S,
-            now=utcnow(),
-            resolution_ms=self.settings.resolution_ms,
-            max_delay_ms=self.settings.max_delay_ms,
-        )
-        publish(job, wait_ms, settings=self.settings, headers=tracing.carried(delivery.headers))
-        self._log(
-            job,
-            (utcnow() - job.due).total_seconds() * 1000,
-            "rescheduled",
-            0.0,
-            f"wait_for_cancels_ms={wait_ms} error={error}",
-        )
-        return "rescheduled"
-
-    def _fail(self, job: Job, delivery: Delivery, reason: str, error: BaseException) -> None:
-        record = failures.failure_record(reason=reason, job=job, body=delivery.body, error=error)
-        failures.store_failure(self.settings, record)
-
-    def _retry(
-        self,
-        job: Job,
-        delivery: Delivery,
-        delay: Any,
-        lateness_ms: float,
-        duration_ms: float,
-        error: BaseException,
-    ) -> str:
-        """Publish the next attempt through the delay topology (confirmed) before the ack.
-
-        The worker never sleeps on a retry and never holds the message: the
-        wait happens in the broker, like any other delay.
-        """
-        now = utcnow()
-        wait_ms = capped_delay_ms(
-            delay,
-            now=now,
-            resolution_ms=self.settings.resolution_ms,
-            max_delay_ms=self.settings.max_delay_ms,
-        )
-        publish(
-            job.next_attempt(now + timedelta(milliseconds=wait_ms), worker=self.worker_id),
-            wait_ms,
-            settings=self.settings,
-            headers=tracing.carried(delivery.headers),
-        )
-        self._log(
-            job,
-            lateness_ms,
-            "retrying",
-            duration_ms,
-            f"retry_in_ms={wait_ms} error={type(error).__name__}: {failures.describe(error)}",
-            ran=True,
-        )
-        return "retrying"
-
-    def _count_redelivery(self, delivery: Delivery, job: Job) -> str | None:
-        """Classic queues do not count deliveries, so the worker does.
-
-        A redelivered message was delivered before without an ack: the worker
-        running it crashed (or lost its connection). Rather than run it here,
-        put a copy carrying the count back in the ready queue (confirmed) and
-        ack this one; past DELIVERY_LIMIT the job goes to the failed queue, so
-        a job that kills every worker cannot loop forever.
-        """
-        seen = delivery.headers.get(DELIVERIES_HEADER, 0)
-        # Anyone may set a header: a value that is not a count counts as none.
-        count = (seen if type(seen) is int and seen >= 0 else 0) + 1
-        if count > self.settings.delivery_limit:
-            error = RuntimeError(
-                f"delivered {count} times without an ack: it may crash the worker "
-                f"(DEFERRED['DELIVERY_LIMIT'] is {self.settings.delivery_limit})"
-            )
-            self._fail(job, delivery, failures.DELIVERY_LIMIT, error)
-            self._log(job, 0.0, "failed", 0.0, f"reason=delivery_limit deliveries={count}")
-            return "failed"
-        publisher(self.settings.broker_urls, self.settings.publish_timeout_s).publish(
-            "",
-            delivery.queue,
-            delivery.body,
-            message_id=job.id,
-            # The job's own signature goes with it: the body is the same.
-            headers={
-                **tracing.carried(delivery.headers),
-                **{k: v for k, v in delivery.headers.items() if k == signing.HEADER},
-                DELIVERIES_HEADER: count,
-            },
-        )
-        logger.warning(
-            "job=%s task=%s was redelivered (%d unacked deliveries so far); requeued with "
-            "its count.",
-            job.id,
-            job.task,
-            count,
-        )
-        self._count(job, "requeued")
-        return "requeued"
-
-    def _reschedule_early(self, job: Job, delivery: Delivery, now: datetime) -> str:
-        """A job that arrived before its due time (e.g. the clocks of two hosts differ)
-        goes back to wait for the rest: never early."""
-        # At most MAX_DELAY at a time: a job due further out (deferred under a
-        # larger MAX_DELAY) simply comes back and waits again.
-        wait_ms = capped_delay_ms(
-            job.due,
-            now=now,
-            resolution_ms=self.settings.resolution_ms,
-            max_delay_ms=self.settings.max_delay_ms,
-        )
-        publish(job, wait_ms, settings=self.settings, headers=tracing.carried(delivery.headers))
-        self._log(
-            job,
-            (now - job.due).total_seconds() * 1000,
-            "rescheduled",
-            0.0,
-            f"early_by_ms={wait_ms}",
-        )
-        return "rescheduled"
-
-    def _log(
-        self,
-        job: Job,
-        lateness_ms: float,
-        outcome: str,
-        duration_ms: float,
-        extra: str = "",
-        *,
-        ran: bool = False,
-    ) -> None:
-        """The job's log line, and its count in the metrics (with its timings if it ran)."""
-        logger.log(
-            _OUTCOME_LEVELS.get(outcome, logging.ERROR),
-            JOB_LINE,
-            job.id,
-            job.task,
-            job.attempt,
-            lateness_ms,
-            outcome,
-            duration_ms,
-            f" {extra}" if extra else "",
-        )
-        self._count(
-            job,
-            outcome,
-            lateness_s=lateness_ms / 1000 if ran else None,
-            duration_s=duration_ms / 1000 if ran else None,
-        )
-
-    def _count(
-        self,
-        job: Job,
-        outcome: str,
-        *,
-        lateness_s: float | None = None,
-        duration_s: float | None = None,
-    ) -> None:
-        if self.metrics is None:
-            return
-        label = job.task if self._knows(job) else UNKNOWN_TASK_LABEL
-        self.metrics.outcome(
-            label, job.queue, outcome, lateness_s=lateness_s, duration_s=duration_s
-        )
-
-    def _knows(self, job: Job) -> bool:
-        """Whether ``job.task`` names a task of this worker (a bounded label)."""
-        if job.task in self._known_tasks:
-            return True
-        if job.backend is not None:
-            return False
-        try:
-            get_task(job.task)
-        except UnknownTask:
-            return False
-        return True
-
-    def _target_of(self, ready_queue: str) -> str:
-        """The ``DEFERRED['QUEUES']`` name of a ready queue (for a message that is no job)."""
-        for name, queue in self.plan.ready_queues.items():
-            if queue.name == ready_queue:
-                return name
-        return UNKNOWN_TASK_LABEL

@@ -323,10 +323,10 @@ def test_a_stream_deleted_under_a_running_worker_is_declared_again(
 def test_while_the_cancels_cannot_be_read_due_jobs_wait_and_are_never_counted_as_failed(
     own_topology, run_worker, records, raw_channel, monkeypatch, caplog
 ):
-    from deferred import worker as worker_module
+    from deferred import pipeline as pipeline_module
 
-    monkeypatch.setattr(worker_module, "CANCELS_TIMEOUT_S", 0.5)
-    monkeypatch.setattr(worker_module, "CANCELS_RETRY_S", 0.5)
+    monkeypatch.setattr(pipeline_module, "CANCELS_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(pipeline_module, "CANCELS_RETRY_S", 0.5)
     stream = own_topology.cancels_queue.name
     with override_settings(DEFERRED={**get_settings_dict(), "DECLARE": False}):
         worker = run_worker()
@@ -354,10 +354,10 @@ def test_while_the_cancels_cannot_be_read_due_jobs_wait_and_are_never_counted_as
 def test_a_job_whose_connection_goes_while_it_waits_for_the_cancels_runs_once(
     clean, run_worker, records, monkeypatch, caplog, then
 ):
-    from deferred import worker as worker_module
+    from deferred import pipeline as pipeline_module
     from deferred.broker import BrokerUnavailable
 
-    monkeypatch.setattr(worker_module, "CANCELS_RETRY_S", 0.5)
+    monkeypatch.setattr(pipeline_module, "CANCELS_RETRY_S", 0.5)
     worker = run_worker(concurrency=2)
     assert worker.cancels.connected.wait(10)
     # Given reading the cancels is slow (a node dying, say): the first due job waits,

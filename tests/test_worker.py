@@ -176,7 +176,9 @@ def test_bad_command_line_options_are_refused():
 
 def test_close_old_connections_runs_around_each_job(clean, run_worker, records, monkeypatch):
     calls = []
-    monkeypatch.setattr("deferred.worker.close_old_connections", lambda: calls.append(time.time()))
+    monkeypatch.setattr(
+        "deferred.pipeline.close_old_connections", lambda: calls.append(time.time())
+    )
     run_worker()
     defer(record, 0, records, "db")
     assert wait_for(lambda: len(calls) >= 2, 5)

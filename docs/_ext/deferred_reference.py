@@ -17,6 +17,7 @@ from __future__ import annotations
 import ast
 import importlib
 import io
+import logging
 import pkgutil
 import tokenize
 from datetime import timedelta
@@ -151,18 +152,24 @@ class FailureReasonsDirective(SphinxDirective):
 
 class LogLineDirective(SphinxDirective):
     def run(self) -> list[nodes.Node]:
-        worker = importlib.import_module("deferred.worker")
-        docs = ModuleAnalyzer.for_module("deferred.worker").find_attr_docs()
+        outcomes = importlib.import_module("deferred.outcomes")
+        docs = ModuleAnalyzer.for_module("deferred.outcomes").find_attr_docs()
         comment = " ".join(docs.get(("", "JOB_LINE"), [])).strip()
-        outcomes = ", ".join(
-            [*worker._OUTCOME_LEVELS, "failed"]  # the levels name all but failures (ERROR)
-        )
+        levels = {logging.INFO: "INFO", logging.WARNING: "WARNING", logging.ERROR: "ERROR"}
+        rows: list[list[nodes.Node | str]] = [
+            [
+                _literal(str(outcome)),
+                " ".join(docs.get(("Outcome", outcome.name), [])).strip(),
+                levels[outcome.level],
+            ]
+            for outcome in outcomes.Outcome
+        ]
         return [
             nodes.literal_block(
-                text=worker.JOB_LINE % ("<id>", "<task>", 1, 0.0, "<outcome>", 0.0, "")
+                text=outcomes.JOB_LINE % ("<id>", "<task>", 1, 0.0, "<outcome>", 0.0, "")
             ),
             nodes.paragraph(text=comment),
-            nodes.paragraph(text=f"Outcomes: {outcomes}."),
+            _table(["outcome", "what happened", "log level"], rows),
         ]
 
 

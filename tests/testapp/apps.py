@@ -14,13 +14,13 @@ class TestAppConfig(AppConfig):
 
     def ready(self) -> None:
         if os.environ.get("DEFERRED_TEST_KILL_AFTER_RETRY_PUBLISH"):
-            from deferred.worker import Worker
+            from deferred.pipeline import Pipeline
 
-            original = Worker._retry
+            original = Pipeline._retry
 
             def retry_then_die(self, *args, **kwargs):  # type: ignore[no-untyped-def]
                 outcome = original(self, *args, **kwargs)
                 os.kill(os.getpid(), signal.SIGKILL)
                 return outcome
 
-            Worker._retry = retry_then_die  # type: ignore[method-assign]
+            Pipeline._retry = retry_then_die  # type: ignore[method-assign]

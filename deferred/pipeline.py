@@ -1,0 +1,402 @@
+"""What happens to one delivery, top to bottom, in a pool thread of the worker.
+
+:meth:`Pipeline.process` reads as the path a message takes:
+
+1. **intake**: the size and signature checks, then the job itself; a message
+   that is no job to run goes to the failed queue as it came;
+2. **cancels**: every cancel confirmed before the job came due is read first,
+   so that a cancel issued a moment before wins; when they cannot be read,
+   the job waits a little in the delay queues rather than run on a guess;
+3. **redelivery count** (classic queues): a job redelivered after a worker
+   died goes back to its ready queue carrying its count, so that
+   ``DELIVERY_LIMIT`` holds where the queue does not count;
+4. **never early**: a job that arrived before its due time goes back to wait;
+5. **run** the task, timed and traced;
+6. **retry or fail**: the retry policy decides; a retry is published through
+   the delay queues, a failure stored in the failed queue, both confirmed
+   before the worker acks;
+7. **log** the job's line and tell the observers its :class:`Outcome`.
+
+The worker (:mod:`deferred.worker`) owns the connection and the threads: it
+hands each delivery here and acks it once :meth:`Pipeline.process` returns.
+Two exceptions tell it not to: :class:`Released` (the delivering connection
+went while the job waited, so RabbitMQ already gave the message to another
+worker) and ``BrokerError`` (an outcome could not be made durable, so the
+message must go back).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.db import close_old_connections
+
+from deferred import failures, intake, signing, tracing
+from deferred.broker import BrokerError, BrokerUnavailable, Delivery, publisher
+from deferred.cancels import CancelWatch
+from deferred.conf import DeferredSettings
+from deferred.delays import capped_delay_ms
+from deferred.jobs import Job, utcnow
+from deferred.metrics import UNKNOWN as UNKNOWN_TASK_LABEL
+from deferred.outcomes import JOB_LINE, Observer, Outcome
+from deferred.publishing import publish
+from deferred.retries import Decision
+from deferred.runnable import resolve
+from deferred.tasks import UnknownTask, get_task
+from deferred.topology import Plan
+
+logger = logging.getLogger("deferred.worker")
+
+#: How long a job waits for the cancels to be read before it goes back to wait,
+CANCELS_TIMEOUT_S = 10.0
+#: and how long it then waits in the delay queues before it is tried again.
+CANCELS_RETRY_S = 5.0
+#: On classic ready queues: how many deliveries of this job ended without an ack.
+DELIVERIES_HEADER = "x-deferred-deliveries"
+
+
+class Released(Exception):
+    """The connection that delivered a job went while it waited: it is not ours any more."""
+
+
+class Pipeline:
+    """Runs or disposes of one delivery at a time; shared by the worker's pool threads."""
+
+    def __init__(
+        self,
+        settings: DeferredSettings,
+        plan: Plan,
+        *,
+        cancels: CancelWatch,
+        holds: Callable[[Delivery], bool],
+        observer: Observer,
+        worker_id: str,
+    ) -> None:
+        self.settings = settings
+        self.plan = plan
+        self.cancels = cancels
+        #: Whether the worker's connection still holds a delivery (its consumer's).
+        self.holds = holds
+        self.observer = observer
+        self.worker_id = worker_id
+        #: Quorum queues count deliveries themselves (x-delivery-limit).
+        self.count_redeliveries = settings.queue_type == "classic"
+        #: Task names resolved here: the only task labels the metrics use.
+        self._known_tasks: set[str] = set()
+
+    def process(self, delivery: Delivery) -> Outcome:
+        """Run or dispose of one message; return its outcome.
+
+        Raises ``BrokerError`` only when the outcome (a retry, a failure
+        record) could not be made durable, and :class:`Released` when the
+        delivery's connection went: the message must then not be acked.
+        """
+        job = intake.read(delivery.body, delivery.headers, self.settings)
+        if isinstance(job, intake.Refused):
+            return self._refuse(delivery, job)
+
+        # Read every cancel confirmed before the job came due first: a cancel
+        # issued a moment before must win (clocks agreeing, as for "never early").
+        try:
+            cancelled = self.cancels.is_cancelled(
+                job.id, CANCELS_TIMEOUT_S, due=job.due.timestamp()
+            )
+        except BrokerUnavailable as exc:
+            self._check_held(delivery)
+            # Not run on a guess, and not handed back either (each hand-back
+            # counts towards DELIVERY_LIMIT): it waits in the delay queues.
+            return self._wait_for_cancels(job, delivery, exc)
+        # The wait may have been long enough for the delivering node to go.
+        self._check_held(delivery)
+        if cancelled:
+            return self._log(job, _lateness_ms(job), Outcome.CANCELLED, 0.0)
+
+        if delivery.redelivered and self.count_redeliveries:
+            outcome = self._count_redelivery(delivery, job)
+            if outcome:
+                return outcome
+
+        started = utcnow()
+        lateness_ms = (started - job.due).total_seconds() * 1000
+        if lateness_ms < 0:
+            return self._reschedule_early(job, delivery, started)
+        try:
+            task = resolve(job)
+            self._known_tasks.add(job.task)
+        except UnknownTask as exc:
+            if job.occurrence is not None:
+                # Planned before its task left the code: the schedule is gone too.
+                return self._log(
+                    job,
+                    lateness_ms,
+                    Outcome.DROPPED,
+                    0.0,
+                    f"reason=unknown_task occurrence={job.occurrence.isoformat()}",
+                )
+            self._fail(job, delivery, failures.UNKNOWN_TASK, exc)
+            return self._log(job, lateness_ms, Outcome.FAILED, 0.0, "reason=unknown_task")
+
+        clock = time.monotonic()
+        error: BaseException | None = None
+        self.observer.started()
+        try:
+            close_old_connections()
+            with tracing.consumer_span(job, delivery.headers, job.queue, lateness_ms):
+                task.run(job, self.worker_id)
+        except BaseException as exc:  # noqa: BLE001 - any failure is retried or recorded
+            error = exc
+        finally:
+            close_old_connections()
+            self.observer.finished()
+        duration_ms = (time.monotonic() - clock) * 1000
+        if error is None:
+            return self._log(job, lateness_ms, Outcome.SUCCEEDED, duration_ms, ran=True)
+        if self._cancelled_while_running(job):
+            # Cancelled while it ran: it finished, and is neither retried nor kept as failed.
+            return self._log(
+                job,
+                lateness_ms,
+                Outcome.CANCELLED,
+                duration_ms,
+                f"error={type(error).__name__}: {failures.describe(error)}",
+                ran=True,
+            )
+
+        decision = task.retry_policy(self.settings).decide(error, job.attempt)
+        if decision.retry:
+            try:
+                return self._retry(job, delivery, decision.delay, lateness_ms, duration_ms, error)
+            except (TypeError, ValueError) as bad_delay:  # e.g. Retry(delay=-1)
+                error = bad_delay
+                decision = Decision(False, reason=failures.TASK_ERROR)
+        self._fail(job, delivery, decision.reason, error)
+        return self._log(
+            job,
+            lateness_ms,
+            Outcome.FAILED,
+            duration_ms,
+            f"reason={decision.reason} error={type(error).__name__}: {failures.describe(error)}",
+            ran=True,
+        )
+
+    # ------------------------------------------------------------------ the steps
+
+    def _refuse(self, delivery: Delivery, refused: intake.Refused) -> Outcome:
+        """Send a message that is not a job to run to the failed queue, as it came.
+
+        Logged with its message id and why: a body that failed the size or
+        signature check was not read, and its content (a forged job's
+        arguments could be anything) is not shown.
+        """
+        record = failures.failure_record(
+            reason=refused.reason,
+            job=None,
+            body=delivery.body,
+            detail=refused.detail,
+            message_id=delivery.message_id,
+            keep_body=refused.keep_body,
+        )
+        failures.store_failure(self.settings, record)
+        logger.error(
+            "job=%s queue=%s outcome=%s reason=%s detail=%s",
+            record["id"],
+            delivery.queue,
+            Outcome.FAILED,
+            refused.reason,
+            refused.detail,
+        )
+        self.observer.outcome(UNKNOWN_TASK_LABEL, self._target_of(delivery.queue), Outcome.FAILED)
+        return Outcome.FAILED
+
+    def _check_held(self, delivery: Delivery) -> None:
+        """Raise :class:`Released` if ``delivery``'s connection went while the job waited.
+
+        Waiting for the cancels can take seconds when a node dies; the
+        message is then redelivered elsewhere, and running (or re-publishing)
+        this copy would duplicate it.
+        """
+        if not self.holds(delivery):
+            raise Released
+
+    def _cancelled_while_running(self, job: Job) -> bool:
+        """Whether a job whose attempt just failed was cancelled meanwhile.
+
+        If the cancels cannot be read now, what is known decides: the retry,
+        if any, is checked again when it comes due.
+        """
+        try:
+            return self.cancels.is_cancelled(job.id, CANCELS_TIMEOUT_S)
+        except BrokerUnavailable:
+            return job.id in self.cancels.view
+
+    def _wait_for_cancels(self, job: Job, delivery: Delivery, error: BrokerError) -> Outcome:
+        """Send a due job back for a short wait while the cancels cannot be read."""
+        wait_ms = capped_delay_ms(
+            CANCELS_RETRY_S,
+            now=utcnow(),
+            resolution_ms=self.settings.resolution_ms,
+            max_delay_ms=self.settings.max_delay_ms,
+        )
+        publish(job, wait_ms, settings=self.settings, headers=tracing.carried(delivery.headers))
+        return self._log(
+            job,
+            _lateness_ms(job),
+            Outcome.RESCHEDULED,
+            0.0,
+            f"wait_for_cancels_ms={wait_ms} error={error}",
+        )
+
+    def _fail(self, job: Job, delivery: Delivery, reason: str, error: BaseException) -> None:
+        record = failures.failure_record(reason=reason, job=job, body=delivery.body, error=error)
+        failures.store_failure(self.settings, record)
+
+    def _retry(
+        self,
+        job: Job,
+        delivery: Delivery,
+        delay: Any,
+        lateness_ms: float,
+        duration_ms: float,
+        error: BaseException,
+    ) -> Outcome:
+        """Publish the next attempt through the delay topology (confirmed) before the ack.
+
+        The worker never sleeps on a retry and never holds the message: the
+        wait happens in the broker, like any other delay.
+        """
+        now = utcnow()
+        wait_ms = capped_delay_ms(
+            delay,
+            now=now,
+            resolution_ms=self.settings.resolution_ms,
+            max_delay_ms=self.settings.max_delay_ms,
+        )
+        publish(
+            job.next_attempt(now + timedelta(milliseconds=wait_ms), worker=self.worker_id),
+            wait_ms,
+            settings=self.settings,
+            headers=tracing.carried(delivery.headers),
+        )
+        return self._log(
+            job,
+            lateness_ms,
+            Outcome.RETRYING,
+            duration_ms,
+            f"retry_in_ms={wait_ms} error={type(error).__name__}: {failures.describe(error)}",
+            ran=True,
+        )
+
+    def _count_redelivery(self, delivery: Delivery, job: Job) -> Outcome | None:
+        """Classic queues do not count deliveries, so the worker does.
+
+        A redelivered message was delivered before without an ack: the worker
+        running it crashed (or lost its connection). Rather than run it here,
+        put a copy carrying the count back in the ready queue (confirmed) and
+        ack this one; past DELIVERY_LIMIT the job goes to the failed queue, so
+        a job that kills every worker cannot loop forever.
+        """
+        seen = delivery.headers.get(DELIVERIES_HEADER, 0)
+        # Anyone may set a header: a value that is not a count counts as none.
+        count = (seen if type(seen) is int and seen >= 0 else 0) + 1
+        if count > self.settings.delivery_limit:
+            error = RuntimeError(
+                f"delivered {count} times without an ack: it may crash the worker "
+                f"(DEFERRED['DELIVERY_LIMIT'] is {self.settings.delivery_limit})"
+            )
+            self._fail(job, delivery, failures.DELIVERY_LIMIT, error)
+            extra = f"reason=delivery_limit deliveries={count}"
+            return self._log(job, 0.0, Outcome.FAILED, 0.0, extra)
+        publisher(self.settings.broker_urls, self.settings.publish_timeout_s).publish(
+            "",
+            delivery.queue,
+            delivery.body,
+            message_id=job.id,
+            # The job's own signature goes with it: the body is the same.
+            headers={
+                **tracing.carried(delivery.headers),
+                **{k: v for k, v in delivery.headers.items() if k == signing.HEADER},
+                DELIVERIES_HEADER: count,
+            },
+        )
+        return self._log(job, _lateness_ms(job), Outcome.REQUEUED, 0.0, f"deliveries={count}")
+
+    def _reschedule_early(self, job: Job, delivery: Delivery, now: datetime) -> Outcome:
+        """A job that arrived before its due time (e.g. the clocks of two hosts differ)
+        goes back to wait for the rest: never early."""
+        # At most MAX_DELAY at a time: a job due further out (deferred under a
+        # larger MAX_DELAY) simply comes back and waits again.
+        wait_ms = capped_delay_ms(
+            job.due,
+            now=now,
+            resolution_ms=self.settings.resolution_ms,
+            max_delay_ms=self.settings.max_delay_ms,
+        )
+        publish(job, wait_ms, settings=self.settings, headers=tracing.carried(delivery.headers))
+        return self._log(
+            job,
+            (now - job.due).total_seconds() * 1000,
+            Outcome.RESCHEDULED,
+            0.0,
+            f"early_by_ms={wait_ms}",
+        )
+
+    # ------------------------------------------------------------------ telling
+
+    def _log(
+        self,
+        job: Job,
+        lateness_ms: float,
+        outcome: Outcome,
+        duration_ms: float,
+        extra: str = "",
+        *,
+        ran: bool = False,
+    ) -> Outcome:
+        """The job's log line, and its outcome told to the observers (with its timings
+        if it ran); returns ``outcome``."""
+        logger.log(
+            outcome.level,
+            JOB_LINE,
+            job.id,
+            job.task,
+            job.attempt,
+            lateness_ms,
+            outcome,
+            duration_ms,
+            f" {extra}" if extra else "",
+        )
+        self.observer.outcome(
+            job.task if self._knows(job) else UNKNOWN_TASK_LABEL,
+            job.queue,
+            outcome,
+            lateness_s=lateness_ms / 1000 if ran else None,
+            duration_s=duration_ms / 1000 if ran else None,
+        )
+        return outcome
+
+    def _knows(self, job: Job) -> bool:
+        """Whether ``job.task`` names a task of this worker (a bounded label)."""
+        if job.task in self._known_tasks:
+            return True
+        if job.backend is not None:
+            return False
+        try:
+            get_task(job.task)
+        except UnknownTask:
+            return False
+        return True
+
+    def _target_of(self, ready_queue: str) -> str:
+        """The ``DEFERRED['QUEUES']`` name of a ready queue (for a message that is no job)."""
+        for name, queue in self.plan.ready_queues.items():
+            if queue.name == ready_queue:
+                return name
+        return UNKNOWN_TASK_LABEL
+
+
+def _lateness_ms(job: Job) -> float:
+    return (utcnow() - job.due).total_seconds() * 1000

@@ -1,0 +1,63 @@
+"""The outcomes enum, its log levels, and observers told in turn (pure: no broker)."""
+
+import logging
+
+from deferred.outcomes import JOB_LINE, Observer, Observers, Outcome
+
+
+class Recording(Observer):
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def consuming(self, up: bool) -> None:
+        self.calls.append(("consuming", up))
+
+    def outcome(self, task, queue, outcome, *, lateness_s=None, duration_s=None) -> None:
+        self.calls.append(("outcome", task, queue, outcome, lateness_s, duration_s))
+
+
+def test_the_seven_outcomes_are_the_strings_the_log_and_the_metric_say():
+    assert [str(o) for o in Outcome] == [
+        "succeeded",
+        "retrying",
+        "failed",
+        "cancelled",
+        "rescheduled",
+        "requeued",
+        "dropped",
+    ]
+    assert Outcome("failed") is Outcome.FAILED
+    assert "outcome=requeued" in JOB_LINE % ("j", "t", 1, 0.0, Outcome.REQUEUED, 0.0, "")
+
+
+def test_a_failure_logs_an_error_a_retry_or_requeue_a_warning_the_rest_info():
+    levels = {o: o.level for o in Outcome}
+    assert levels[Outcome.FAILED] == logging.ERROR
+    assert {o for o, level in levels.items() if level == logging.WARNING} == {
+        Outcome.RETRYING,
+        Outcome.REQUEUED,
+        Outcome.DROPPED,
+    }
+    assert levels[Outcome.SUCCEEDED] == levels[Outcome.CANCELLED] == logging.INFO
+
+
+def test_observers_tell_each_observer_in_turn_and_skip_the_absent_ones():
+    first, second = Recording(), Recording()
+    both = Observers([first, None, second])
+    both.consuming(True)
+    both.beat()  # neither overrides it: nothing happens, nothing raises
+    both.started()
+    both.finished()
+    both.outcome("t", "default", Outcome.SUCCEEDED, lateness_s=0.01, duration_s=0.5)
+    expected = [
+        ("consuming", True),
+        ("outcome", "t", "default", Outcome.SUCCEEDED, 0.01, 0.5),
+    ]
+    assert first.calls == expected
+    assert second.calls == expected
+
+
+def test_no_observer_at_all_is_fine():
+    nobody = Observers([None, None])
+    nobody.consuming(False)
+    nobody.outcome("t", "q", Outcome.DROPPED)
