@@ -116,3 +116,20 @@ def test_the_system_cas_do_not_trust_the_test_ca(tls_node):
     ):
         with pytest.raises(BrokerUnavailable, match="certificate verify failed"):
             defer(record, 10, "/tmp/never", "x")
+
+
+def test_a_reset_during_the_tls_handshake_is_explained_as_the_tls_13_race():
+    """What pika said once on Python 3.13 against RabbitMQ 4.3 with no client certificate:
+    TLS 1.3 let the client send the AMQP header before the broker's alert arrived."""
+    from deferred.broker.connection import _tls_hint
+
+    reset = (
+        "IncompatibleProtocolError: The protocol returned by the server is not supported: "
+        "('StreamLostError: (\"Stream connection lost: ConnectionResetError(104, "
+        "'Connection reset by peer')\",)',)"
+    )
+    assert "requires a client certificate" in _tls_hint(reset, tls=True)
+    assert _tls_hint(reset, tls=False) == ""  # a plain AMQP reset is no TLS matter
+    alert = "SSLError(1, '[SSL: TLSV13_ALERT_CERTIFICATE_REQUIRED] ...')"
+    assert "requires a client certificate" in _tls_hint(alert)
+    assert _tls_hint("ConnectionRefusedError(111)") == ""

@@ -221,7 +221,8 @@ def open_connection(
         try:
             connection = pika.BlockingConnection(params)
         except (*CONNECTION_ERRORS, px.AMQPError) as exc:
-            failures.append(f"{safe_url(url)}: {exc!r}{_tls_hint(repr(exc))}")
+            hint = _tls_hint(repr(exc), tls=params.ssl_options is not None)
+            failures.append(f"{safe_url(url)}: {exc!r}{hint}")
             continue
         failover.connected(all_urls, index)
         return connection, Node(all_urls, index)
@@ -229,8 +230,16 @@ def open_connection(
     raise BrokerUnavailable(f"Cannot connect to RabbitMQ {where}{'; '.join(failures)}")
 
 
-def _tls_hint(error: str) -> str:
-    """What to change when a TLS handshake failed, from pika's description of it."""
+def _tls_hint(error: str, *, tls: bool = True) -> str:
+    """What to change when a TLS handshake failed, from pika's description of it.
+
+    Under TLS 1.3 the client's handshake ends before the broker has checked
+    the client's certificate: a broker that requires one and gets none sends
+    its alert and closes, and the client, already sending the AMQP header,
+    may read the alert (``CERTIFICATE_REQUIRED``) or only a reset connection,
+    by a race. A TLS connection reset or cut short during the AMQP handshake
+    gets the same hint, said as a likely cause.
+    """
     if "CERTIFICATE_VERIFY_FAILED" in error:
         return (
             " (the broker's certificate does not verify: DEFERRED['TLS_CA_FILE'] names the CA "
@@ -239,6 +248,13 @@ def _tls_hint(error: str) -> str:
     if "CERTIFICATE_REQUIRED" in error or "PEER_DID_NOT_RETURN_A_CERTIFICATE" in error:
         return (
             " (the broker requires a client certificate: set DEFERRED['TLS_CERT_FILE'] and "
+            "DEFERRED['TLS_KEY_FILE'])"
+        )
+    closed = ("ConnectionResetError", "Connection reset", "BrokenPipeError", "SSLEOFError")
+    if tls and any(sign in error for sign in closed):
+        return (
+            " (the broker closed the TLS connection during the handshake: most likely it "
+            "requires a client certificate: set DEFERRED['TLS_CERT_FILE'] and "
             "DEFERRED['TLS_KEY_FILE'])"
         )
     return ""
