@@ -177,9 +177,12 @@ def test_a_ready_queue_declared_without_the_limits_is_used_with_a_policy_hint(br
         with override_settings(DEFERRED=timed):
             call_command("declare_delay_topology", stdout=StringIO(), stderr=err)
         ready = plan.ready_queues["default"].name
-        if broker_version(broker_url) < (3, 12):
-            # 3.10 does not know the argument, so it compares nothing: no conflict
-            assert err.getvalue() == ""
+        version = broker_version(broker_url)
+        if version < (3, 12) or version[:2] == (4, 0):
+            # 3.10 does not know the argument, and 4.0.5 does not compare it: the
+            # declare is accepted, the queue keeps its own arguments, nothing to
+            # report (the versions page says to apply a policy there)
+            assert "exists with other limits" not in err.getvalue(), err.getvalue()
             return
         assert f"queue {ready} exists with other limits (x-consumer-timeout=None)" in err.getvalue()
         assert '"consumer-timeout": 3600000' in err.getvalue()
