@@ -165,8 +165,8 @@ def consumer_timeout(timeout_ms: int, countdown_s: float, jobs: int) -> dict[str
     }
 
 
-def native_delayed_delivery(rate: float, seconds: float) -> dict[str, Any]:
-    """Quorum queue: sustained rate and lateness, delays uniform 0-5 s (as ours)."""
+def native_delayed_delivery(rate: float, seconds: float, high_s: float = 5.0) -> dict[str, Any]:
+    """Quorum queue: sustained rate and lateness, delays uniform 0-``high_s`` s (as ours)."""
     mod = _app("quorum")
     worker = CeleryWorker("quorum")
     rng = random.Random(5)
@@ -179,14 +179,14 @@ def native_delayed_delivery(rate: float, seconds: float) -> dict[str, Any]:
             pause = start + n / rate - time.perf_counter()
             if pause > 0:
                 time.sleep(pause)
-            delay = rng.uniform(0, 5)
+            delay = rng.uniform(0, high_s)
             try:
                 mod.ran.apply_async(args=[time.time() + delay], countdown=delay)
                 sent += 1
             except Exception:  # noqa: BLE001 - counted and reported
                 errors += 1
         achieved = sent / (time.perf_counter() - start)
-        time.sleep(5 + 3)
+        time.sleep(high_s + 3)
     finally:
         runs = worker.stop()
         _cleanup("quorum")

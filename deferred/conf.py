@@ -56,6 +56,17 @@ DEFAULTS: dict[str, Any] = {
     # Delays are rounded up to a multiple of this (timedelta or seconds; whole
     # milliseconds). Coarser means fewer hops and burstier arrivals.
     "RESOLUTION": timedelta(milliseconds=1),
+    # The last mile (timedelta or seconds; 0: none): a job due within this
+    # window skips the lowest levels of the topology, and the worker that
+    # takes it holds it unacked until its due time. The levels it covers
+    # whole (RADIX**k units) are left out of the topology: fewer hops, less
+    # broker CPU per job, and lateness set by the worker's timer rather than
+    # by broker hops. At most one hour.
+    "HOLD_WINDOW": timedelta(milliseconds=256),
+    # The most jobs a worker holds at once (its hold queues' prefetch, beside
+    # its concurrency), 1-65535. A held job that comes due while every
+    # thread is busy goes back for another worker at once.
+    "HOLD_PREFETCH": 1000,
     # "classic" or "quorum": quorum queues close the crash window between two
     # levels and cost about twice the broker CPU per job.
     "QUEUE_TYPE": "classic",
@@ -227,6 +238,10 @@ class DeferredSettings:
     metrics_token: str | None = field(default=None, repr=False)
     #: The networks the metrics URL answers (None: any, if a token is set).
     metrics_allow: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] | None = None
+    #: The last mile: jobs due within this are held by the worker (0: none).
+    hold_window_ms: int = 256
+    #: The most jobs a worker holds at once, beside its concurrency.
+    hold_prefetch: int = 1000
 
     @property
     def broker_url(self) -> str:
@@ -259,6 +274,33 @@ def _consumer_timeout_ms(value: Any, queue_type: str) -> int | None:
             f"limit), or None; got {value!r}."
         )
     return math.ceil(timeout_ms)
+
+
+#: The longest HOLD_WINDOW: a worker holds its jobs in memory, unacked.
+MAX_HOLD_WINDOW_MS = 3600 * 1000
+#: AMQP's prefetch count is a 16-bit number.
+MAX_HOLD_PREFETCH = 65535
+
+
+def _hold(window: Any, prefetch: Any) -> tuple[int, int]:
+    """``HOLD_WINDOW`` in whole milliseconds and ``HOLD_PREFETCH``, checked."""
+    raw = _duration_ms("HOLD_WINDOW", window)
+    window_ms = round(raw)  # 0.3 s is 300.00000000000006 ms in floats
+    if not 0 <= raw <= MAX_HOLD_WINDOW_MS or abs(raw - window_ms) > 1e-6:
+        raise ImproperlyConfigured(
+            "DEFERRED['HOLD_WINDOW'] must be a whole number of milliseconds from 0 (no "
+            f"holding) to 1 hour; got {window!r}."
+        )
+    if (
+        isinstance(prefetch, bool)
+        or not isinstance(prefetch, int)
+        or not 1 <= prefetch <= MAX_HOLD_PREFETCH
+    ):
+        raise ImproperlyConfigured(
+            f"DEFERRED['HOLD_PREFETCH'] must be an integer from 1 to {MAX_HOLD_PREFETCH} "
+            f"(AMQP's largest prefetch); got {prefetch!r}."
+        )
+    return window_ms, prefetch
 
 
 #: A shorter bearer token can be guessed: the metrics URL refuses to start with one.
@@ -534,6 +576,7 @@ def _build(raw: Any) -> DeferredSettings:
         )
     metrics_token = _metrics_token(values["METRICS_TOKEN"])
     metrics_allow = _metrics_allow(values["METRICS_ALLOW"])
+    hold_window_ms, hold_prefetch = _hold(values["HOLD_WINDOW"], values["HOLD_PREFETCH"])
     tls = _tls(values)
     if tls is not None:
         broker_urls = tuple(_with_tls(url, tls) for url in broker_urls)
@@ -565,6 +608,8 @@ def _build(raw: Any) -> DeferredSettings:
         tls=tls,
         metrics_token=metrics_token,
         metrics_allow=metrics_allow,
+        hold_window_ms=hold_window_ms,
+        hold_prefetch=hold_prefetch,
     )
     # The plan enforces the limits that depend on several values at once
     # (routing-key length); building it here makes them configuration errors.

@@ -61,7 +61,15 @@ class _Collector:
             "only when the management API answers.",
             labels=["queue"],
         )
+        held = gauge(
+            "deferred_jobs_held",
+            "Jobs a worker holds until they are due (the last mile, HOLD_WINDOW), by queue; "
+            "only when the management API answers.",
+            labels=["queue"],
+        )
         for queue in snapshot.queues:
+            if queue.held is not None:
+                held.add_metric([queue.name], queue.held)
             if queue.ready is not None:
                 ready.add_metric([queue.name], queue.ready)
             if queue.consumers is not None:
@@ -71,6 +79,7 @@ class _Collector:
         yield ready
         yield consumers
         yield unacked
+        yield held
         if snapshot.failed is not None:
             failed = gauge("deferred_jobs_failed", "Entries in the failed queue.")
             failed.add_metric([], snapshot.failed)

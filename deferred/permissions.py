@@ -55,12 +55,12 @@ def for_role(role: str, prefix: str) -> Permissions:
     # The names topology.py gives, and nothing else: a regex as loose as
     # "PREFIX\..+" would also match the names of a prefix nested in this one
     # ("app" and "app.x"). Any topology id: RADIX, RESOLUTION, MAX_DELAY and
-    # QUEUE_TYPE change it.
-    topology = r"delay\.r\d+\.\d+ms\.L\d+\.(classic|quorum)"
+    # QUEUE_TYPE change it, and HOLD_WINDOW adds the held levels (".H2").
+    topology = r"delay\.r\d+\.\d+ms\.L\d+(\.H\d+)?\.(classic|quorum)"
     ingest = rf"{p}\.{topology}\.ingest"
     everything = (
         rf"{p}\.({topology}\.(ingest|after\.L\d+|L\d+\.d\d+)"
-        r"|ready\.[A-Za-z0-9_-]+|failed|topologies|scheduler|schedules|cancels)"
+        r"|(ready|hold)\.[A-Za-z0-9_-]+|failed|topologies|scheduler|schedules|cancels)"
     )
     default = re.escape(DEFAULT_EXCHANGE)
     staging = rf"{p}\.transfer(\.out)?|amq\.gen-[A-Za-z0-9_-]+"

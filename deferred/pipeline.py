@@ -4,6 +4,9 @@
 
 1. **intake**: the size and signature checks, then the job itself; a message
    that is no job to run goes to the failed queue as it came;
+   **hold**: a job due within the hold window raises :class:`Hold`, and the
+   worker keeps it unacked until it is due (:mod:`deferred.holding`), then
+   hands it here again, past this step;
 2. **cancels**: every cancel confirmed before the job came due is read first,
    so that a cancel issued a moment before wins; when they cannot be read,
    the job waits a little in the delay queues rather than run on a guess;
@@ -22,7 +25,7 @@ hands each delivery here and acks it once :meth:`Pipeline.process` returns.
 Two exceptions tell it not to: :class:`Released` (the delivering connection
 went while the job waited, so RabbitMQ already gave the message to another
 worker) and ``BrokerError`` (an outcome could not be made durable, so the
-message must go back).
+message must go back). A third, :class:`Hold`, tells it to wait.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from typing import Any
 from django.db import close_old_connections
 
 from deferred import failures, intake, signing, tracing
-from deferred.broker import BrokerError, BrokerUnavailable, Delivery, publisher
+from deferred.broker import BrokerError, BrokerUnavailable, Delivery, Outgoing, publisher
 from deferred.cancels import CancelWatch
 from deferred.conf import DeferredSettings
 from deferred.delays import capped_delay_ms
@@ -59,8 +62,23 @@ CANCELS_RETRY_S = 5.0
 DELIVERIES_HEADER = "x-deferred-deliveries"
 
 
+#: On top of the hold window: how early a job may be and still be held rather than
+#: sent back through the topology (the producer's clock may run ahead of ours).
+CLOCK_SLACK_MS = 1000
+
+
 class Released(Exception):
     """The connection that delivered a job went while it waited: it is not ours any more."""
+
+
+class Hold(Exception):
+    """The job is due within the hold window: keep it unacked until then."""
+
+    def __init__(self, job: Job, seconds: float) -> None:
+        super().__init__(job.id, seconds)
+        self.job = job
+        #: How long until it is due, on this worker's clock.
+        self.seconds = seconds
 
 
 class Pipeline:
@@ -87,17 +105,26 @@ class Pipeline:
         self.count_redeliveries = settings.queue_type == "classic"
         #: Task names resolved here: the only task labels the metrics use.
         self._known_tasks: set[str] = set()
+        #: Jobs early by up to this are held, not sent back through the topology.
+        self.hold_limit_ms = settings.hold_window_ms + CLOCK_SLACK_MS
 
-    def process(self, delivery: Delivery) -> Outcome:
+    def process(self, delivery: Delivery, job: Job | None = None) -> Outcome:
         """Run or dispose of one message; return its outcome.
 
         Raises ``BrokerError`` only when the outcome (a retry, a failure
         record) could not be made durable, and :class:`Released` when the
         delivery's connection went: the message must then not be acked.
+        Raises :class:`Hold` for a job due within the hold window; ``job`` is
+        that job, read already, when the worker hands it back here at its time.
         """
-        job = intake.read(delivery.body, delivery.headers, self.settings)
-        if isinstance(job, intake.Refused):
-            return self._refuse(delivery, job)
+        if job is None:
+            read = intake.read(delivery.body, delivery.headers, self.settings)
+            if isinstance(read, intake.Refused):
+                return self._refuse(delivery, read)
+            job = read
+        seconds = self.hold_seconds(job)
+        if seconds:
+            raise Hold(job, seconds)
 
         # Read every cancel confirmed before the job came due first: a cancel
         # issued a moment before must win (clocks agreeing, as for "never early").
@@ -183,6 +210,19 @@ class Pipeline:
             ran=True,
         )
 
+    def read(self, delivery: Delivery) -> Job | None:
+        """The job of a delivery, checked (size, signature), or ``None`` if it is none:
+        :meth:`process` then refuses it. Cheap: the worker's I/O thread reads the hold
+        queues' deliveries with it, so that holding a job never waits for a thread."""
+        read = intake.read(delivery.body, delivery.headers, self.settings)
+        return None if isinstance(read, intake.Refused) else read
+
+    def hold_seconds(self, job: Job) -> float | None:
+        """How long to hold ``job`` before it is due: 0 if it is due, ``None`` if it is
+        too far off to hold (it then goes back through the topology)."""
+        early_ms = (job.due - utcnow()).total_seconds() * 1000
+        return max(0.0, early_ms / 1000) if early_ms <= self.hold_limit_ms else None
+
     # ------------------------------------------------------------------ the steps
 
     def _refuse(self, delivery: Delivery, refused: intake.Refused) -> Outcome:
@@ -232,6 +272,43 @@ class Pipeline:
             return self.cancels.is_cancelled(job.id, CANCELS_TIMEOUT_S)
         except BrokerUnavailable:
             return job.id in self.cancels.view
+
+    def hand_back(self, held: list[tuple[Delivery, Job]]) -> list[Delivery]:
+        """Put held jobs back in their queues for other workers, as fresh messages
+        (confirmed, in one round trip); return the deliveries to ack.
+
+        A fresh copy, not a requeue: the hand-back of a worker that stops, or
+        whose threads are all taken, is no failed delivery, so it must not
+        count towards ``DELIVERY_LIMIT`` (a requeued message comes back marked
+        redelivered, and quorum queues count it). The body, its signature and
+        the count so far go as they came. A delivery whose connection went is
+        left out: RabbitMQ has it back already.
+        """
+        ours = [(d, job) for d, job in held if self.holds(d)]
+        now = utcnow()
+        if ours:
+            publisher(self.settings.broker_urls, self.settings.publish_timeout_s).publish_many(
+                [
+                    # A due job goes to its ready queue, where only a worker with a
+                    # free slot takes it; one not due yet to be held again.
+                    Outgoing(
+                        "",
+                        self._ready_for(d.queue) if job.due <= now else d.queue,
+                        d.body,
+                        job.id,
+                        d.headers,
+                    )
+                    for d, job in ours
+                ]
+            )
+        return [d for d, _ in ours]
+
+    def _ready_for(self, queue: str) -> str:
+        """The ready queue beside hold queue ``queue`` (``queue`` itself if it is none)."""
+        for name, hold in self.plan.hold_queues.items():
+            if hold.name == queue:
+                return self.plan.ready_queues[name].name
+        return queue
 
     def _wait_for_cancels(self, job: Job, delivery: Delivery, error: BrokerError) -> Outcome:
         """Send a due job back for a short wait while the cancels cannot be read."""

@@ -140,6 +140,13 @@ class ReadyQueueStatus:
     consumers: int | None
     #: Failed jobs that were bound for this queue; ``None`` when not counted.
     failed: int | None
+    #: The last mile: jobs held by a worker until they are due (the hold
+    #: queue's unacked); ``None`` unless the management API answered.
+    held: int | None = None
+    #: Jobs due within the hold window that no worker has taken yet (the hold
+    #: queue's messages); ``None`` when the hold queue does not exist.
+    hold_waiting: int | None = None
+    hold_queue: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -149,6 +156,9 @@ class ReadyQueueStatus:
             "unacked": self.unacked,
             "consumers": self.consumers,
             "failed": self.failed,
+            "hold_queue": self.hold_queue,
+            "held": self.held,
+            "hold_waiting": self.hold_waiting,
         }
 
 
@@ -188,8 +198,18 @@ class Snapshot:
 
     @property
     def pending(self) -> int:
-        """Jobs in the delay queues of every topology: not due yet."""
-        return sum(t.pending or 0 for t in self.topologies)
+        """Jobs not due yet and not held: in the delay queues of every topology, and
+        in the hold queues waiting for a worker."""
+        return sum(t.pending or 0 for t in self.topologies) + sum(
+            q.hold_waiting or 0 for q in self.queues
+        )
+
+    @property
+    def held(self) -> int | None:
+        """Jobs held by the workers until they are due; ``None`` when not known."""
+        if any(q.held is None for q in self.queues):
+            return None
+        return sum(q.held or 0 for q in self.queues)
 
     @property
     def ready(self) -> int:
@@ -214,6 +234,7 @@ class Snapshot:
             "pending": self.pending,
             "ready": self.ready,
             "unacked": self.unacked,
+            "held": self.held,
             "unacked_source": self.unacked_source,
             "failed": self.failed,
             "failed_elsewhere": self.failed_elsewhere,
@@ -294,6 +315,8 @@ def build_snapshot(
     queues = []
     for name, ready_queue in current.ready_queues.items():
         found = stats.get(ready_queue.name)
+        hold_queue = current.hold_queues[name].name
+        hold = stats.get(hold_queue)
         queues.append(
             ReadyQueueStatus(
                 name=name,
@@ -302,6 +325,9 @@ def build_snapshot(
                 unacked=None if unacked is None else unacked.get(ready_queue.name),
                 consumers=None if found is None else found.consumers,
                 failed=None if failed_by_queue is None else failed_by_queue.get(name, 0),
+                held=None if unacked is None or hold is None else unacked.get(hold_queue, 0),
+                hold_waiting=None if hold is None else hold.messages,
+                hold_queue=hold_queue,
             )
         )
     failed_stats = stats.get(current.failed_queue.name)
@@ -358,6 +384,7 @@ def collect(settings: DeferredSettings, *, read_failed: bool = True) -> Status:
         ]
         names = [
             *(q.name for q in plan.ready_queues.values()),
+            *(q.name for q in plan.hold_queues.values()),
             plan.failed_queue.name,
             *(q.name for p in (plan, *others) for q in p.delay_queues),
         ]
@@ -386,7 +413,7 @@ def collect(settings: DeferredSettings, *, read_failed: bool = True) -> Status:
     if api_queues is not None:
         unacked = {
             q.name: api_queues[q.name].unacked
-            for q in plan.ready_queues.values()
+            for q in (*plan.ready_queues.values(), *plan.hold_queues.values())
             if q.name in api_queues
         }
     by_queue = None
@@ -460,12 +487,13 @@ def render_text(snapshot: Snapshot) -> str:
         f"deferred status  prefix {snapshot.prefix}  "
         f"{snapshot.taken_at.strftime('%Y-%m-%d %H:%M:%S')} UTC",
         "",
-        f"{'queue':<16} {'ready':>7} {'unacked':>8} {'consumers':>10} {'failed':>7}",
+        f"{'queue':<16} {'ready':>7} {'unacked':>8} {'held':>7} {'consumers':>10} {'failed':>7}",
     ]
     for queue in snapshot.queues:
         lines.append(
             f"{queue.name:<16} {number(queue.ready):>7} {number(queue.unacked, 'n/a'):>8} "
-            f"{number(queue.consumers):>10} {number(queue.failed, '?'):>7}"
+            f"{number(queue.held, 'n/a'):>7} {number(queue.consumers):>10} "
+            f"{number(queue.failed, '?'):>7}"
         )
     failed = number(snapshot.failed, "no failed queue")
     if snapshot.failed_elsewhere:
@@ -492,12 +520,13 @@ def render_text(snapshot: Snapshot) -> str:
     lines += [
         "",
         f"total: {snapshot.pending} pending, {snapshot.ready} ready, "
-        f"{number(snapshot.unacked, 'n/a')} unacked, {number(snapshot.failed, '-')} failed",
+        f"{number(snapshot.held, 'n/a')} held, {number(snapshot.unacked, 'n/a')} unacked, "
+        f"{number(snapshot.failed, '-')} failed",
     ]
     if snapshot.unacked_source is None:
         lines.append(
-            "(unacked: n/a: AMQP does not report messages a worker holds; they show when "
-            "RabbitMQ's management API answers)"
+            "(unacked and held: n/a: AMQP does not report messages a worker holds; they show "
+            "when RabbitMQ's management API answers)"
         )
     if snapshot.cluster is not None:
         quorum = snapshot.topologies[0].queue_type == "quorum"

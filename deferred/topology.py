@@ -18,9 +18,20 @@ would be dropped by RabbitMQ, so every level exchange has the shared
 ``<prefix>.failed`` exchange as its alternate exchange: such a job lands in the
 failed queue instead. Ready queues dead-letter there too.
 
-Everything that defines the routing (radix, resolution, level count, queue
-type) is part of the names, so a changed setting declares a new topology beside
-the old one instead of clashing with it; both drain into the same ready queues.
+**The last mile** (``HOLD_WINDOW``): the lowest ``hold_levels`` levels are not
+declared. Their digits never reach the broker: the routing key carries the
+digits of the declared levels, then one word, ``0`` when the lower digits are
+all zero (the job is due when it leaves the last delay queue) or ``1`` when
+they are not. A ``1`` job goes to the *hold queue* of its target instead of the
+ready queue, at most one window early, and the worker that takes it holds it
+unacked until its due time (:mod:`deferred.holding`). The hold queue has its
+own consumer and prefetch in each worker, so held jobs never take the slots of
+jobs to run.
+
+Everything that defines the routing (radix, resolution, level count, held
+levels, queue type) is part of the names, so a changed setting declares a new
+topology beside the old one instead of clashing with it; all drain into the
+same ready and hold queues.
 """
 
 from __future__ import annotations
@@ -90,6 +101,10 @@ class Plan:
     bindings: tuple[Binding, ...]
     #: Shared by every topology of the prefix; never removed by the library.
     ready_queues: dict[str, Queue]
+    #: Jobs that arrive up to one window early, held by a worker until due;
+    #: declared (and consumed) whatever the window, so that a changed
+    #: ``HOLD_WINDOW`` never strands a job an older topology sent there.
+    hold_queues: dict[str, Queue]
     failed_queue: Queue
     #: Fanout into the failed queue: the alternate and dead-letter exchange.
     failed_exchange: Exchange
@@ -100,11 +115,26 @@ class Plan:
     schedules_queue: Queue
     #: Cancelled job ids (deferred.cancels): a stream every worker reads from the start.
     cancels_queue: Queue
+    #: The lowest levels left to the workers (``HOLD_WINDOW``): not declared.
+    hold_levels: int = 0
+
+    @property
+    def window_ms(self) -> int:
+        """The span of the levels left to the workers: a job reaches its hold queue
+        less than this before it is due (0: no level is left to them)."""
+        return self.radix**self.hold_levels * self.resolution_ms if self.hold_levels else 0
+
+    @property
+    def key_words(self) -> int:
+        """Words in a job's routing key: a digit per declared level, the hold word
+        (when levels are held), the target queue."""
+        return self.levels - self.hold_levels + (1 if self.hold_levels else 0) + 1
 
     @property
     def shared_queues(self) -> tuple[Queue, ...]:
         return (
             *self.ready_queues.values(),
+            *self.hold_queues.values(),
             self.failed_queue,
             self.registry_queue,
             self.scheduler_queue,
@@ -146,13 +176,22 @@ class Plan:
         return out[::-1]
 
     def routing_key(self, delay_ms: int, queue: str) -> str:
-        """The routing key that makes a message wait ``delay_ms`` (rounded up)."""
-        words = [str(d) for d in self.digits(self.units(delay_ms))]
+        """The routing key that makes a message wait ``delay_ms`` (rounded up).
+
+        With held levels, their digits become one word: ``1`` sends the job
+        to the hold queue, early by what they add up to, ``0`` to the ready queue.
+        """
+        digits = self.digits(self.units(delay_ms))
+        declared = digits[: self.levels - self.hold_levels]
+        words = [str(d) for d in declared]
+        if self.hold_levels:
+            words.append("1" if any(digits[len(declared) :]) else "0")
         return ".".join([*words, queue])
 
     def hops(self, delay_ms: int) -> int:
         """How many delay queues a message of ``delay_ms`` passes through."""
-        return sum(1 for d in self.digits(self.units(delay_ms)) if d)
+        digits = self.digits(self.units(delay_ms))
+        return sum(1 for d in digits[: self.levels - self.hold_levels] if d)
 
     def describe(self) -> dict[str, Any]:
         """A JSON-ready description (``declare_delay_topology --format json``)."""
@@ -162,6 +201,8 @@ class Plan:
             "radix": self.radix,
             "resolution_ms": self.resolution_ms,
             "levels": self.levels,
+            "hold_levels": self.hold_levels,
+            "window_ms": self.window_ms,
             "max_delay_ms": self.max_delay_ms,
             "queue_type": self.queue_type,
             "ingest_exchange": self.ingest_exchange,
@@ -180,6 +221,7 @@ class Plan:
                 "levels": self.levels,
                 "max_delay_ms": self.max_delay_ms,
                 "queue_type": self.queue_type,
+                "hold_levels": self.hold_levels,
             },
             sort_keys=True,
         )
@@ -193,6 +235,7 @@ def widest_plan(
     levels: int,
     queue_type: str,
     queues: tuple[str, ...] | list[str],
+    hold_levels: int = 0,
 ) -> Plan:
     """Every queue a topology of this shape may have, whatever MAX_DELAY it was declared with.
 
@@ -208,6 +251,7 @@ def widest_plan(
         queue_type=queue_type,
         queues=queues,
         levels=levels,
+        hold_levels=hold_levels,
     )
 
 
@@ -224,6 +268,8 @@ def recorded_plan(record: Mapping[str, Any], *, prefix: str, queues: tuple[str, 
         levels=int(record["levels"]),
         queue_type=str(record["queue_type"]),
         queues=queues,
+        # Recorded before the last mile: every level declared.
+        hold_levels=int(record.get("hold_levels", 0)),
     )
 
 
@@ -355,6 +401,8 @@ class TopologySettings(Protocol):
     def quorum_group_size(self) -> int: ...
     @property
     def cancel_margin_ms(self) -> int: ...
+    @property
+    def hold_window_ms(self) -> int: ...
     def __hash__(self) -> int: ...
 
 
@@ -372,7 +420,18 @@ def plan_topology(settings: TopologySettings) -> Plan:
         consumer_timeout_ms=settings.consumer_timeout_ms,
         group_size=settings.quorum_group_size,
         cancel_margin_ms=settings.cancel_margin_ms,
+        hold_window_ms=settings.hold_window_ms,
     )
+
+
+def hold_levels_for(window_ms: int, radix: int, resolution_ms: int, levels: int) -> int:
+    """The lowest levels a window of ``window_ms`` covers whole: ``radix**k`` units
+    fit in it. At least one level stays declared: the window never holds the
+    longest delays."""
+    held = 0
+    while held + 1 < levels and radix ** (held + 1) * resolution_ms <= window_ms:
+        held += 1
+    return held
 
 
 #: The routing key of a cancel, on the ingest exchange.
@@ -392,11 +451,14 @@ def build_plan(
     consumer_timeout_ms: int | None = None,
     group_size: int = 3,
     cancel_margin_ms: int = CANCEL_MARGIN_MS,
+    hold_window_ms: int = 0,
+    hold_levels: int | None = None,
 ) -> Plan:
     """Compute a topology from its defining values.
 
-    ``levels`` is derived from ``max_delay_ms`` unless given: an old topology
-    recorded in the registry is rebuilt from what it was declared with.
+    ``levels`` is derived from ``max_delay_ms`` unless given, and
+    ``hold_levels`` from ``hold_window_ms``: an old topology recorded in the
+    registry is rebuilt from what it was declared with.
     """
     if radix < 2:
         raise TopologyError(f"The radix must be at least 2, got {radix}.")
@@ -415,7 +477,13 @@ def build_plan(
             "larger RADIX or RESOLUTION, a smaller MAX_DELAY, or shorter queue names."
         )
 
-    topology_id = f"r{radix}.{resolution_ms}ms.L{levels}.{queue_type}"
+    if hold_levels is None:
+        hold_levels = hold_levels_for(hold_window_ms, radix, resolution_ms, levels)
+    held = hold_levels
+    # The hold word, after the declared digits: any value on the way, "0" into
+    # the ready queue, "1" into the hold queue. None without held levels.
+    on_the_way, to_ready, to_hold = (["*"], ["0"], ["1"]) if held else ([], [], [])
+    topology_id = f"r{radix}.{resolution_ms}ms.L{levels}{f'.H{held}' if held else ''}.{queue_type}"
     base = f"{prefix}.delay.{topology_id}"
     ingest = f"{base}.ingest"
     failed = f"{prefix}.failed"
@@ -435,7 +503,7 @@ def build_plan(
     delay_queues: list[Queue] = []
     positions: list[tuple[int, int, str]] = []
     bindings: list[Binding] = []
-    for level in range(levels - 1, -1, -1):
+    for level in range(levels - 1, held - 1, -1):
         exchanges.append(Exchange(level_exchange(level), arguments={"alternate-exchange": failed}))
         last_digit = top_digit if level == levels - 1 else radix - 1
         for digit in range(1, last_digit + 1):
@@ -460,7 +528,7 @@ def build_plan(
 
     for level, digit, queue_name in positions:
         # From the ingest exchange: every digit above ``level`` is zero.
-        words = ["0"] * (levels - 1 - level) + [str(digit)] + ["*"] * level
+        words = ["0"] * (levels - 1 - level) + [str(digit)] + ["*"] * (level - held) + on_the_way
         bindings.append(Binding(ingest, queue_name, pattern(words)))
         # From the exchange of each higher level ``above``: levels >= above are
         # done, the ones between are zero, this one is ``digit``.
@@ -469,7 +537,8 @@ def build_plan(
                 ["*"] * (levels - above)
                 + ["0"] * (above - 1 - level)
                 + [str(digit)]
-                + ["*"] * level
+                + ["*"] * (level - held)
+                + on_the_way
             )
             bindings.append(Binding(level_exchange(above), queue_name, pattern(words)))
     # Cancels go through the ingest exchange too (one word: no delay pattern,
@@ -486,11 +555,24 @@ def build_plan(
         )
         for name in queues
     }
-    for name, queue in ready_queues.items():
-        bindings.append(Binding(ingest, queue.name, ".".join(["0"] * levels + [name])))
-        for above in range(levels):
-            words = ["*"] * (levels - above) + ["0"] * above + [name]
-            bindings.append(Binding(level_exchange(above), queue.name, ".".join(words)))
+    hold_queues = {
+        name: Queue(
+            f"{prefix}.hold.{name}",
+            _ready_queue_arguments(
+                queue_type, group_size, failed, delivery_limit, consumer_timeout_ms
+            ),
+        )
+        for name in queues
+    }
+    # With held levels, "1" in the hold word: to the hold queue instead.
+    targets = [(ready_queues, to_ready)] + ([(hold_queues, to_hold)] if held else [])
+    for by_name, last in targets:
+        for name, queue in by_name.items():
+            words = ["0"] * (levels - held) + last + [name]
+            bindings.append(Binding(ingest, queue.name, ".".join(words)))
+            for above in range(held, levels):
+                words = ["*"] * (levels - above) + ["0"] * (above - held) + last + [name]
+                bindings.append(Binding(level_exchange(above), queue.name, ".".join(words)))
 
     return Plan(
         prefix=prefix,
@@ -505,6 +587,8 @@ def build_plan(
         delay_queues=tuple(delay_queues),
         bindings=tuple(bindings),
         ready_queues=ready_queues,
+        hold_queues=hold_queues,
+        hold_levels=held,
         failed_queue=Queue(failed, _kept_queue_arguments(queue_type, group_size)),
         failed_exchange=Exchange(failed, "fanout"),
         registry_queue=Queue(f"{prefix}.topologies", _kept_queue_arguments(queue_type, group_size)),

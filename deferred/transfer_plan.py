@@ -93,7 +93,7 @@ def staging_plan(plan: Plan) -> StagingPlan:
     if plan.queue_type == "quorum":
         arguments["x-dead-letter-strategy"] = "at-least-once"
         arguments["x-overflow"] = "reject-publish"
-    job_keys = ".".join(["*"] * (plan.levels + 1))
+    job_keys = ".".join(["*"] * plan.key_words)
     return StagingPlan(
         queue=Queue(f"{plan.prefix}.transfer", arguments),
         exchange=f"{plan.prefix}.transfer",
@@ -114,7 +114,7 @@ class SourceQueue:
 
 
 def source_queues(plan: Plan, records: Iterable[Mapping[str, Any]]) -> list[SourceQueue]:
-    """The old broker's queues to drain, soonest due first: the ready queues, the
+    """The old broker's queues to drain, soonest due first: the ready and hold queues, the
     delay queues of every topology of the prefix by TTL, then the failed queue."""
     plans = [plan] + [
         recorded_plan(r, prefix=plan.prefix, queues=tuple(plan.ready_queues)) for r in records
@@ -122,6 +122,8 @@ def source_queues(plan: Plan, records: Iterable[Mapping[str, Any]]) -> list[Sour
     delay = {q.name: q.ttl_ms or 0 for p in plans for q in p.delay_queues}
     return [
         *(SourceQueue(q.name, JOB, ready=True) for q in plan.ready_queues.values()),
+        # Due within the hold window, or held by a worker (taken once it lets go).
+        *(SourceQueue(q.name, JOB, ready=True) for q in plan.hold_queues.values()),
         *(SourceQueue(name, JOB) for name in sorted(delay, key=lambda n: (delay[n], n))),
         SourceQueue(plan.failed_queue.name, FAILED),
     ]

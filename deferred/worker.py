@@ -12,12 +12,19 @@ or fail, log) is :mod:`deferred.pipeline`; this module is the connection,
 the loop and the threads. The metrics and the health file watch through
 :class:`deferred.outcomes.Observer`.
 
+The last mile: a job from a hold queue is due within ``HOLD_WINDOW``; the
+pipeline says so (:class:`deferred.pipeline.Hold`) and the
+:class:`deferred.holding.Holder` keeps it, unacked, until its due time, then
+gives it back to the pool. Held jobs have their own prefetch
+(``HOLD_PREFETCH``) and never take a running job's slot; on SIGTERM they go
+back to their queue at once, as fresh messages, for the other workers.
+
 Cancels: a reader thread follows the cancels stream (deferred.cancels); a
 job found there is acked without running (``outcome=cancelled``), and a job
 cancelled while it ran is not retried.
 
 Shutdown (SIGTERM/SIGINT, or :meth:`stop`): cancel the consumers first so no
-new job arrives, let the running jobs finish while the I/O thread goes on
+new job arrives, hand the held jobs back, let the running jobs finish while the I/O thread goes on
 acking and heart-beating, then close and return.
 """
 
@@ -46,15 +53,11 @@ from deferred.cancels import CancelWatch, cancel_route_missing
 from deferred.cluster import management_api
 from deferred.conf import DeferredSettings, get_settings
 from deferred.health import HealthFile
+from deferred.holding import Held, Holder
+from deferred.jobs import Job
 from deferred.metrics import WorkerMetrics
-from deferred.outcomes import JOB_LINE, Observers, Outcome
-from deferred.pipeline import (
-    CANCELS_RETRY_S,
-    CANCELS_TIMEOUT_S,
-    DELIVERIES_HEADER,
-    Pipeline,
-    Released,
-)
+from deferred.outcomes import Observers, Outcome
+from deferred.pipeline import Hold, Pipeline, Released
 from deferred.publishing import note_verified
 from deferred.scheduler import Scheduler, scheduled_tasks
 from deferred.topology import plan_topology
@@ -67,16 +70,6 @@ RECONNECT_FIRST_S = 0.5
 RECONNECT_CAP_S = 30.0
 #: How long to wait before handing back a job whose failure could not be stored.
 REQUEUE_PAUSE_S = 2.0
-#: Names that moved to deferred.pipeline and deferred.outcomes, still importable from
-#: here (they are read there: change them on deferred.pipeline).
-__all__ = [
-    "CANCELS_RETRY_S",
-    "CANCELS_TIMEOUT_S",
-    "DELIVERIES_HEADER",
-    "JOB_LINE",
-    "REQUEUE_PAUSE_S",
-    "Worker",
-]
 
 
 class Worker:
@@ -116,6 +109,8 @@ class Worker:
             self.settings.broker_urls,
             [plan.ready_queues[q].name for q in names],
             prefetch=concurrency,
+            hold_queues=[plan.hold_queues[q].name for q in names],
+            hold_prefetch=self.settings.hold_prefetch,
         )
         #: Set while the worker is consuming (tests and health checks wait on it).
         self.consuming = threading.Event()
@@ -142,6 +137,8 @@ class Worker:
             observer=self.observer,
             worker_id=self.worker_id,
         )
+        #: Keeps the jobs due within the hold window until their time.
+        self.holder = Holder(self._release, self._hand_back_late)
         #: Competes to schedule the recurring jobs (if there are any and ``schedules``).
         self.scheduler = (
             Scheduler(self.settings, self.worker_id)
@@ -180,6 +177,7 @@ class Worker:
         previous = self._install_signals()
         self._executor = ThreadPoolExecutor(self.concurrency, thread_name_prefix="deferred-job")
         self.cancels.start()
+        self.holder.start_thread()
         watch = self._stuck_watch()
         if watch is not None:
             watch.start()
@@ -208,6 +206,7 @@ class Worker:
                         self.observer.beat()
                     self._consuming(False)
                     self.consumer.cancel()
+                    self._hand_back_held()
                     self._drain()
                 except (BrokerUnavailable, TopologyNotDeclared) as exc:
                     self._consuming(False)
@@ -227,6 +226,7 @@ class Worker:
                     wait_s = min(wait_s * 2, RECONNECT_CAP_S)
         finally:
             self._consuming(False)
+            self._hand_back_held()
             if watch is not None:
                 watch.stop()
             if self.scheduler is not None:
@@ -257,7 +257,8 @@ class Worker:
             logger.info("Waiting for %d running job(s) to finish.", self._inflight)
         while self._inflight:
             self.consumer.poll(0.05)
-        self.consumer.poll(0)  # deliver the last acks
+        self.consumer.settle_pending()  # the last acks, sent now
+        self.consumer.poll(0)
 
     def _install_signals(self) -> dict[int, Any]:
         if (
@@ -278,25 +279,95 @@ class Worker:
     # ------------------------------------------------------------------ jobs
 
     def _on_delivery(self, delivery: Delivery) -> None:
-        """On the I/O thread: hand the message to the pool, or back if stopping."""
-        if self._stopping.is_set():
+        """On the I/O thread: hand the message to the pool, or back if stopping.
+
+        A delivery from a hold queue goes to the pool even then: it is read,
+        and handed back as a fresh message, which a requeue would not be.
+        """
+        if self._stopping.is_set() and not delivery.hold:
             self.consumer.settle_threadsafe(delivery, ack=False, requeue=True)
             return
+        job = None
+        if delivery.hold:
+            # Read here, not in the pool: a worker whose threads are all busy
+            # must still hold the job, and hand it back if it comes due so.
+            # A due one goes through the holder too (for 0 s): if no thread
+            # takes it in time, it goes to its ready queue for a free worker.
+            job = self.pipeline.read(delivery)
+            seconds = None if job is None else self.pipeline.hold_seconds(job)
+            if job is not None and seconds is not None and not self._stopping.is_set():
+                if self.holder.hold(delivery, job, seconds) is not None:
+                    return
         with self._lock:
             self._inflight += 1
         assert self._executor is not None
-        self._executor.submit(self._execute, delivery)
+        self._executor.submit(self._execute, delivery, job)
 
-    def _execute(self, delivery: Delivery) -> None:
-        """In a pool thread: process one message, then ask the I/O thread to settle it."""
+    def _release(self, entry: Held) -> None:
+        """On the holder's thread: a held job is due; run it in the pool."""
+        with self._lock:
+            self._inflight += 1
+        assert self._executor is not None
+        try:
+            self._executor.submit(self._execute, entry.delivery, entry.job, entry)
+        except RuntimeError:  # the pool is shut down: the holder hands it back
+            with self._lock:
+                self._inflight -= 1
+            raise
+
+    def _hand_back_late(self, entry: Held) -> None:
+        """On the holder's thread: a due job found no free thread in time."""
+        self._hand_back([(entry.delivery, entry.job)], "every thread is busy")
+
+    def _hand_back_held(self) -> None:
+        """Stopping: every job held and not started goes back at once."""
+        left = self.holder.stop()
+        if left:
+            self._hand_back([(e.delivery, e.job) for e in left], "the worker is stopping")
+
+    def _hand_back(self, held: list[tuple[Delivery, Job]], why: str) -> None:
+        """Give held jobs back to their queues for other workers (fresh, uncounted
+        copies), then ack them; if that fails, requeue them (then they count)."""
+        try:
+            handed = self.pipeline.hand_back(held)
+        except BrokerError as exc:
+            logger.warning(
+                "Could not hand back %d held job(s) (%s); requeueing them instead.",
+                len(held),
+                exc,
+            )
+            for delivery, _ in held:
+                self.consumer.settle_threadsafe(delivery, ack=False, requeue=True)
+            return
+        for delivery in handed:
+            self.consumer.settle_threadsafe(delivery, ack=True)
+        if handed:
+            logger.info("Handed back %d held job(s) for another worker: %s.", len(handed), why)
+
+    def _execute(
+        self, delivery: Delivery, job: Job | None = None, entry: Held | None = None
+    ) -> None:
+        """In a pool thread: process one message, then ask the I/O thread to settle it.
+
+        ``job`` and ``entry``: a held job, now due (handed back meanwhile if
+        the holder took it back first).
+        """
         ack = released = False
+        if entry is not None and not self.holder.start(entry):
+            with self._lock:
+                self._inflight -= 1
+            return
         try:
             if not self.consumer.holds(delivery):
                 raise Released
-            outcome = self.process(delivery)
+            outcome = self.process(delivery, job)
             with self._lock:
                 self.outcomes[outcome] += 1
             ack = True
+        except Hold as hold:
+            released = True  # not settled now: held, or handed back
+            if self.holder.hold(delivery, hold.job, hold.seconds) is None:
+                self._hand_back([(delivery, hold.job)], "the worker is stopping")
         except Released:
             # Its connection is gone, so RabbitMQ has already redelivered it:
             # running it here too would only make a duplicate.
@@ -336,9 +407,12 @@ class Worker:
             with self._lock:
                 self._inflight -= 1
 
-    def process(self, delivery: Delivery) -> Outcome:
-        """Run or dispose of one message; return its outcome (:mod:`deferred.pipeline`)."""
-        return self.pipeline.process(delivery)
+    def process(self, delivery: Delivery, job: Job | None = None) -> Outcome:
+        """Run or dispose of one message; return its outcome (:mod:`deferred.pipeline`).
+
+        Raises :class:`deferred.pipeline.Hold` for a job due within the hold window.
+        """
+        return self.pipeline.process(delivery, job)
 
     def _check_cancel_route(self) -> None:
         """Log, once per connection, a topology whose cancels cannot be routed.

@@ -86,6 +86,11 @@ DEFERRED: dict[str, object] = {
 }
 if os.environ.get("DEFERRED_TEST_MANAGEMENT_URLS"):
     DEFERRED["MANAGEMENT_URL"] = os.environ["DEFERRED_TEST_MANAGEMENT_URLS"].split(",")
+# Worker subprocesses of the last-mile tests hold jobs for seconds.
+if os.environ.get("DEFERRED_TEST_HOLD_WINDOW"):
+    DEFERRED["HOLD_WINDOW"] = float(os.environ["DEFERRED_TEST_HOLD_WINDOW"])
+if os.environ.get("DEFERRED_TEST_HOLD_PREFETCH"):
+    DEFERRED["HOLD_PREFETCH"] = int(os.environ["DEFERRED_TEST_HOLD_PREFETCH"])
 if os.environ.get("DEFERRED_TEST_MAX_DELAY"):
     DEFERRED["MAX_DELAY"] = float(os.environ["DEFERRED_TEST_MAX_DELAY"])
 if os.environ.get("DEFERRED_TEST_STUCK_AFTER"):

@@ -131,7 +131,8 @@ def test_every_quorum_queue_declares_its_delivery_limit(broker_url):
             for name, q in queues.items()
             if q["type"] == "quorum"
         }
-        ready = {q.name for q in plan.ready_queues.values()}
+        # The queues workers consume: the ready queues and the hold queues.
+        ready = {q.name for q in (*plan.ready_queues.values(), *plan.hold_queues.values())}
         assert set(limits) == {q.name for q in plan.all_queues} - {plan.cancels_queue.name}
         assert {limits[name] for name in ready} == {get_settings().delivery_limit}
         assert {limits[name] for name in set(limits) - ready} == {NO_DELIVERY_LIMIT}

@@ -54,14 +54,14 @@ def test_second_run_changes_nothing_and_says_so(topology):
 def test_first_run_says_what_it_created(broker_url):
     with own_prefix(broker_url, RADIX=16):
         out = run()
-        assert "Declared topology r16.1ms.L4.classic: created" in out
+        assert "Declared topology r16.1ms.L4.H2.classic: created" in out
         assert "nothing changed" in run()
 
 
 def test_dry_run_prints_the_plan_and_touches_nothing(broker_url):
     with own_prefix(broker_url, RADIX=4):
         text = run("--dry-run")
-        assert "Topology r4.1ms.L8.classic" in text and "ttl=" in text
+        assert "Topology r4.1ms.L8.H4.classic" in text and "ttl=" in text
         plan = json.loads(run("--dry-run", "--format", "json"))
         assert plan["radix"] == 4 and plan["levels"] == 8
         ttls = sorted(
@@ -69,7 +69,9 @@ def test_dry_run_prints_the_plan_and_touches_nothing(broker_url):
             for q in plan["queues"]
             if "x-message-ttl" in q["arguments"]
         )
-        assert ttls[:4] == [1, 2, 3, 4]
+        # The four lowest levels (4**4 ms: the 256 ms HOLD_WINDOW) are left to the workers.
+        assert plan["hold_levels"] == 4 and plan["window_ms"] == 256
+        assert ttls[:4] == [256, 512, 768, 1024]
         assert {b["destination_type"] for b in plan["bindings"]} == {"queue"}
         assert any(e["arguments"].get("alternate-exchange") for e in plan["exchanges"])
         with admin_channel(broker_url) as admin:

@@ -236,7 +236,8 @@ def test_defer_reopens_a_connection_the_broker_dropped(clean, broker_url):
 
 def test_a_job_for_an_undeclared_queue_is_kept_in_the_failed_queue(clean, broker_url, raw_channel):
     # "billing" was added to QUEUES but declare_delay_topology was not run again.
-    # mandatory catches the first hop; after a delay, the level exchanges'
+    # mandatory catches the first hop (a job due now, or within the hold window,
+    # goes straight to a ready or hold queue); after a delay, the level exchanges'
     # alternate exchange keeps the job in the failed queue instead of dropping it.
     queues = ["default", "other", "billing"]
     with override_settings(
@@ -244,7 +245,9 @@ def test_a_job_for_an_undeclared_queue_is_kept_in_the_failed_queue(clean, broker
     ):
         with pytest.raises(TopologyNotDeclared):
             record.using(queue="billing").defer(0, "p", "now")
-        job_id = record.using(queue="billing").defer(0.05, "p", "later")
+        with pytest.raises(TopologyNotDeclared):
+            record.using(queue="billing").defer(0.05, "p", "within the hold window")
+        job_id = record.using(queue="billing").defer(0.3, "p", "later")
     assert wait_for(lambda: depth(raw_channel, clean.failed_queue.name) == 1, 5)
     _method, _props, body = raw_channel.basic_get(clean.failed_queue.name, auto_ack=True)
     assert Job.decode(body).id == job_id

@@ -151,9 +151,15 @@ def test_the_role_regexes_match_exactly_the_names_they_should(prefix):
             max_delay_ms=86_400_000 * 400,
             queue_type=kind,
             queues=("default", "mail_out-2"),
+            hold_window_ms=window,
         )
-        for radix, resolution, kind in ((16, 1, "classic"), (2, 1000, "quorum"))
+        for radix, resolution, kind, window in (
+            (16, 1, "classic", 256),
+            (16, 1, "classic", 0),
+            (2, 1000, "quorum", 0),
+        )
     ]
+    assert plans[0].topology_id.endswith(".H2.classic")  # the held levels are in the names
     ours = {e.name for p in plans for e in p.all_exchanges} | {
         q.name for p in plans for q in p.all_queues
     }

@@ -260,13 +260,13 @@ def test_every_queue_names_its_type_and_quorum_ones_their_delivery_limit(queue_t
         limit = queue.arguments.get("x-delivery-limit")
         if queue_type == "classic" or queue is plan.cancels_queue:
             assert limit is None, queue.name  # classic queues and streams refuse one
-        elif queue.name == plan.ready_queues["default"].name:
+        elif queue.name in (plan.ready_queues["default"].name, plan.hold_queues["default"].name):
             assert limit == 7
         else:
             assert limit == NO_DELIVERY_LIMIT, queue.name
 
 
-def test_the_consumer_timeout_goes_on_the_quorum_ready_queues_only():
+def test_the_consumer_timeout_goes_on_the_quorum_ready_and_hold_queues_only():
     plan = build_plan(
         prefix="p",
         radix=16,
@@ -277,5 +277,5 @@ def test_the_consumer_timeout_goes_on_the_quorum_ready_queues_only():
         consumer_timeout_ms=5000,
     )
     timed = {q.name for q in plan.all_queues if "x-consumer-timeout" in q.arguments}
-    assert timed == {q.name for q in plan.ready_queues.values()}
+    assert timed == {q.name for q in (*plan.ready_queues.values(), *plan.hold_queues.values())}
     assert {q.arguments["x-consumer-timeout"] for q in plan.ready_queues.values()} == {5000}

@@ -10,11 +10,17 @@ queues never had. So :class:`Slots` splits the concurrency: a queue gets a
 consumer whose prefetch RabbitMQ enforces when there are slots for every
 queue, and the other slots *roam*: the consumer fills them itself with
 ``basic.get``, from whichever queue has jobs.
+
+Held jobs (the last mile, :mod:`deferred.holding`) come from the hold queues,
+each through a consumer of its own whose prefetch is the worker's hold
+allowance (``HOLD_PREFETCH``): held jobs are counted apart from the jobs to
+run, and never take their slots.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -61,6 +67,8 @@ class Delivery:
     headers: dict[str, Any]
     #: The publisher's ``message_id`` (a job's id), if any.
     message_id: str | None = None
+    #: From a hold queue: a job due within the hold window, to be held.
+    hold: bool = False
 
 
 def pinned_prefetch(limit: int, queues: Sequence[str]) -> dict[str, int]:
@@ -82,6 +90,14 @@ def pinned_prefetch(limit: int, queues: Sequence[str]) -> dict[str, int]:
     if len(queues) <= limit:
         return dict.fromkeys(queues, 1)
     return {}
+
+
+def hold_prefetch(limit: int, queues: Sequence[str]) -> dict[str, int]:
+    """The prefetch of each hold queue's consumer: ``limit`` shared out, at least one each."""
+    if not queues or limit < 1:
+        return {}
+    share, extra = divmod(limit, len(queues))
+    return {q: max(1, share + (1 if n < extra else 0)) for n, q in enumerate(queues)}
 
 
 class Slots:
@@ -164,11 +180,22 @@ class Slots:
 class Consumer:
     """The worker's single consuming connection, driven from one I/O thread."""
 
-    def __init__(self, urls: Urls, queues: list[str], prefetch: int) -> None:
+    def __init__(
+        self,
+        urls: Urls,
+        queues: list[str],
+        prefetch: int,
+        *,
+        hold_queues: Sequence[str] = (),
+        hold_prefetch: int = 0,
+    ) -> None:
         self.urls = as_urls(urls)
         self.queues = queues
         #: The most unacked deliveries held at once, all queues together.
         self.prefetch = prefetch
+        self.hold_queues = list(hold_queues)
+        #: The most unacked held jobs, split between the hold queues' consumers.
+        self.hold_prefetch = hold_prefetch
         self.generation = 0
         self._connection: pika.BlockingConnection | None = None
         self._channel: BlockingChannel | None = None
@@ -181,6 +208,10 @@ class Consumer:
         #: Whether roaming slots take jobs: from the start until :meth:`cancel`.
         self._taking = False
         self._on_delivery: Callable[[Delivery], None] | None = None
+        #: Settlements asked for by other threads, and whether the I/O thread was woken.
+        self._to_settle: deque[tuple[Delivery, bool, bool]] = deque()
+        self._settle_lock = threading.Lock()
+        self._settle_woken = False
 
     def start(self, on_delivery: Callable[[Delivery], None]) -> None:
         """Connect and start consuming; ``BrokerUnavailable`` or ``TopologyNotDeclared``."""
@@ -188,9 +219,13 @@ class Consumer:
         connection, node = open_connection(self.urls)
         with setting_up(connection, node, "start consuming"):
             channel = connection.channel()
-            for queue in self.queues:
+            for queue in (*self.queues, *self.hold_queues):
                 declared_queue(channel, queue, node)
             self.generation += 1
+            with self._settle_lock:
+                # Settlements of the connection that went are void, and its wake with it.
+                self._to_settle.clear()
+                self._settle_woken = False
             self._cancelled_by_broker = None
             self._on_delivery = on_delivery
             slots = Slots(self.prefetch, self.queues)
@@ -199,6 +234,9 @@ class Consumer:
                 # A consumer's prefetch is the channel's at its basic.consume.
                 channel.basic_qos(prefetch_count=prefetch)
                 self._tags.append(channel.basic_consume(queue, partial(self._pushed, queue)))
+            for queue, prefetch in hold_prefetch(self.hold_prefetch, self.hold_queues).items():
+                channel.basic_qos(prefetch_count=prefetch)
+                self._tags.append(channel.basic_consume(queue, partial(self._to_hold, queue)))
         self._connection, self._channel, self.node = connection, channel, node
         self._slots, self._taking = slots, True
 
@@ -206,6 +244,24 @@ class Consumer:
         self, queue: str, channel: BlockingChannel, method: Any, props: Any, body: bytes
     ) -> None:
         self._deliver(queue, method, props, body, pinned=True)
+
+    def _to_hold(
+        self, queue: str, channel: BlockingChannel, method: Any, props: Any, body: bytes
+    ) -> None:
+        # Capped by its own consumer's prefetch: not one of the slots.
+        assert self._on_delivery is not None
+        self._on_delivery(
+            Delivery(
+                body=body,
+                tag=method.delivery_tag,
+                queue=queue,
+                redelivered=bool(method.redelivered),
+                generation=self.generation,
+                headers=dict(props.headers or {}),
+                message_id=props.message_id,
+                hold=True,
+            )
+        )
 
     def _deliver(self, queue: str, method: Any, props: Any, body: bytes, *, pinned: bool) -> None:
         assert self._slots is not None and self._on_delivery is not None
@@ -302,15 +358,40 @@ class Consumer:
         When the connection that delivered a message is gone, the broker has
         already put the message back for redelivery: acking it on a new
         connection would ack a different message, so it is dropped here.
+
+        The settlements queue up, and the I/O thread is woken once for all
+        those that wait (each wake is a write to a pipe and a turn of its loop).
         """
         connection = self._connection
         if connection is None or delivery.generation != self.generation:
             return False
+        with self._settle_lock:
+            self._to_settle.append((delivery, ack, requeue))
+            if self._settle_woken:
+                return True
+            self._settle_woken = True
         try:
-            connection.add_callback_threadsafe(partial(self._settle, delivery, ack, requeue))
+            connection.add_callback_threadsafe(self.settle_pending)
         except (*CONNECTION_ERRORS, px.AMQPChannelError):
+            with self._settle_lock:
+                self._settle_woken = False
             return False
         return True
+
+    def settle_pending(self) -> None:
+        """On the I/O thread: send every settlement asked for so far.
+
+        The worker calls it itself before it closes: pika leaves the callbacks
+        of ``add_callback_threadsafe`` undispatched by the first
+        ``process_data_events`` after a ``basic.cancel``, and an ack lost at
+        the close is a job run twice.
+        """
+        with self._settle_lock:
+            pending = list(self._to_settle)
+            self._to_settle.clear()
+            self._settle_woken = False
+        for delivery, ack, requeue in pending:
+            self._settle(delivery, ack, requeue)
 
     def _settle(self, delivery: Delivery, ack: bool, requeue: bool) -> None:
         channel = self._channel

@@ -233,6 +233,12 @@ def _plan_text(plan: Plan) -> str:
     lines = [
         f"Topology {plan.topology_id}: radix {plan.radix}, resolution {plan.resolution_ms} ms, "
         f"{plan.levels} levels, max delay {plan.max_delay_ms} ms, {plan.queue_type} queues.",
+        (
+            f"The lowest {plan.hold_levels} level(s) are left to the workers: a job due within "
+            f"{plan.window_ms} ms goes to its hold queue (HOLD_WINDOW)."
+            if plan.hold_levels
+            else "Every level is declared: nothing is held in the workers (HOLD_WINDOW)."
+        ),
         f"Exchanges ({len(plan.all_exchanges)}, durable):",
         *(f"  {e.name}  {e.type}  {e.arguments}" for e in (*plan.exchanges, plan.failed_exchange)),
         f"Delay queues ({len(plan.delay_queues)}, durable):",
