@@ -46,6 +46,9 @@ HARNESS = ROOT / "bench" / "e2e"
 CONCURRENCY = 4
 LOW_S, HIGH_S = 0.0, 3.0
 WARM_UP_RATE, WARM_UP_S = 200, 2.0
+#: The producer's threads, each with its connection: a confirmed publish takes
+#: about a millisecond, so 2,000 jobs/s needs several.
+PRODUCER_THREADS = 8
 
 
 @dataclass(frozen=True)
@@ -130,6 +133,8 @@ class Point:
             str(HIGH_S),
             "--ids",
             str(ids),
+            "--threads",
+            str(PRODUCER_THREADS),
         ]
         if profile is not None:
             command = [
