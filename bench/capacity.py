@@ -226,6 +226,7 @@ def measure(
     queue_type: str,
     extra: dict[str, Any],
     profile: Path | None,
+    logs: Path | None = None,
 ) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="deferred-e2e-"))
     point = Point(checkout, queue_type, extra, work)
@@ -252,6 +253,9 @@ def measure(
     finally:
         point.stop()
         point.delete_topology()
+        if logs is not None and point.log.exists():
+            slug = checkout.name.split()[0]
+            shutil.copy(point.log, logs / f"{slug}-{rate:.0f}-{point.prefix}.log")
         shutil.rmtree(work, ignore_errors=True)
     ran: dict[str, list[float]] = {}
     for job_id, at, due in rows:
@@ -360,6 +364,7 @@ def main() -> None:
         action="store_true",
         help="also Celery's native delayed delivery at each rate (pip install celery)",
     )
+    parser.add_argument("--logs", type=Path, help="keep the workers' logs here")
     parser.add_argument("--profile", type=Path, help="folder for py-spy flame graphs")
     parser.add_argument("--out", type=Path, help="write the points as JSON here")
     args = parser.parse_args()
@@ -372,8 +377,9 @@ def main() -> None:
         name, path = item.split("=", 1)
         checkouts.append(Checkout(name, Path(path).resolve()))
     extra = {k: json.loads(v) for k, v in (s.split("=", 1) for s in args.setting)}
-    if args.profile:
-        args.profile.mkdir(parents=True, exist_ok=True)
+    for folder in (args.profile, args.logs):
+        if folder:
+            folder.mkdir(parents=True, exist_ok=True)
 
     raw = raw_limit()
     print(f"raw confirmed publish, one connection: {raw:,.0f} msg/s", flush=True)
@@ -387,7 +393,9 @@ def main() -> None:
                 if args.profile:
                     slug = checkout.name.split()[0]
                     profile = args.profile / f"{slug}-{rate:.0f}-{round_}"
-                point = measure(checkout, rate, args.seconds, args.queue_type, extra, profile)
+                point = measure(
+                    checkout, rate, args.seconds, args.queue_type, extra, profile, args.logs
+                )
                 points.append(point)
                 print(table([point]).splitlines()[-1], flush=True)
             if args.celery:

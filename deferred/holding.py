@@ -9,14 +9,18 @@ broker's work for short delays, are gone.
 
 :class:`Holder` is the timer: one thread, a heap of due times. It knows
 nothing of AMQP; the worker gives it what to do when a job comes due
-(``release``: hand it to the pool) and when a released job finds no free
-thread for :data:`HAND_BACK_AFTER_S` (``hand_back``: a fresh copy goes back to
-its queue, for a worker with a free thread). A held job is started or handed
-back exactly once: :meth:`Holder.start` and the hand-back race on one lock.
+(``release``: hand it to the pool) and when a released job has waited
+:data:`HAND_BACK_AFTER_S` while the pool started nothing at all (``stalled``
+says so; ``hand_back``: a fresh copy goes back to its queue, for a worker with
+a free thread). A held job is started or handed back exactly once:
+:meth:`Holder.start` and the hand-back race on one lock.
 
 Why the hand-back: a worker holds up to ``HOLD_PREFETCH`` jobs while its
-threads run others. If they come due while its threads are all taken (slow
-tasks), keeping them would make them late while other workers sit idle.
+threads run others. If they come due while its threads are all taken by slow
+tasks, keeping them would make them late while other workers sit idle. A pool
+that keeps starting jobs is busy, not stuck: its queue of short jobs drains
+faster than a hand-back would, and handing back there would only add broker
+work when the broker is the wall.
 """
 
 from __future__ import annotations
@@ -32,8 +36,8 @@ from typing import Any
 
 logger = logging.getLogger("deferred.worker")
 
-#: A released job that no thread has started after this long goes back for
-#: another worker (one of its own jobs' full run, at worst, is what it would wait).
+#: A released job that no thread has started after this long, while the pool
+#: started nothing either, goes back for another worker.
 HAND_BACK_AFTER_S = 0.05
 
 HELD, RELEASED, STARTED, HANDED_BACK = "held", "released", "started", "handed back"
@@ -61,10 +65,13 @@ class Holder:
         release: Callable[[Held], None],
         hand_back: Callable[[Held], None],
         *,
+        stalled: Callable[[float], bool] = lambda seconds: True,
         hand_back_after_s: float = HAND_BACK_AFTER_S,
     ) -> None:
         self._release = release
         self._hand_back = hand_back
+        #: Whether the pool has started no job for that many seconds.
+        self._stalled = stalled
         self.hand_back_after_s = hand_back_after_s
         self._lock = threading.Condition()
         self._heap: list[tuple[float, int, Held]] = []
@@ -158,14 +165,20 @@ class Holder:
                 # Forget the started ones; take back those no thread took in time.
                 stale = []
                 kept = []
+                stalled: bool | None = None  # asked once per round, if needed
                 for entry in self._released:
                     if entry.state != RELEASED:
                         continue
                     if now - entry.released_at >= self.hand_back_after_s:
-                        entry.state = HANDED_BACK
-                        stale.append(entry)
-                    else:
-                        kept.append(entry)
+                        if stalled is None:
+                            stalled = self._stalled(self.hand_back_after_s)
+                        if stalled:
+                            entry.state = HANDED_BACK
+                            stale.append(entry)
+                            continue
+                        # The pool moves: look again one grace period on.
+                        entry.released_at = now
+                    kept.append(entry)
                 self._released = kept
                 if due or stale:
                     return due, stale

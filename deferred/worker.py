@@ -35,6 +35,7 @@ import os
 import signal
 import socket
 import threading
+import time
 from collections import Counter
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -138,7 +139,9 @@ class Worker:
             worker_id=self.worker_id,
         )
         #: Keeps the jobs due within the hold window until their time.
-        self.holder = Holder(self._release, self._hand_back_late)
+        self.holder = Holder(self._release, self._hand_back_late, stalled=self._stalled)
+        #: When a pool thread last started a message (time.monotonic()).
+        self._last_start = 0.0
         #: Competes to schedule the recurring jobs (if there are any and ``schedules``).
         self.scheduler = (
             Scheduler(self.settings, self.worker_id)
@@ -315,6 +318,11 @@ class Worker:
                 self._inflight -= 1
             raise
 
+    def _stalled(self, seconds: float) -> bool:
+        """Whether no pool thread has started a message for ``seconds``: every thread
+        is taken by jobs that run long."""
+        return time.monotonic() - self._last_start >= seconds
+
     def _hand_back_late(self, entry: Held) -> None:
         """On the holder's thread: a due job found no free thread in time."""
         self._hand_back([(entry.delivery, entry.job)], "every thread is busy")
@@ -353,6 +361,7 @@ class Worker:
         the holder took it back first).
         """
         ack = released = False
+        self._last_start = time.monotonic()
         if entry is not None and not self.holder.start(entry):
             with self._lock:
                 self._inflight -= 1
