@@ -171,6 +171,7 @@ def native_delayed_delivery(rate: float, seconds: float, high_s: float = 5.0) ->
     worker = CeleryWorker("quorum")
     rng = random.Random(5)
     errors = 0
+    first_error: str | None = None
     sent = 0
     try:
         count = int(rate * seconds)
@@ -183,8 +184,9 @@ def native_delayed_delivery(rate: float, seconds: float, high_s: float = 5.0) ->
             try:
                 mod.ran.apply_async(args=[time.time() + delay], countdown=delay)
                 sent += 1
-            except Exception:  # noqa: BLE001 - counted and reported
+            except Exception as exc:  # noqa: BLE001 - counted and reported
                 errors += 1
+                first_error = first_error or repr(exc)
         achieved = sent / (time.perf_counter() - start)
         time.sleep(high_s + 3)
     finally:
@@ -196,6 +198,7 @@ def native_delayed_delivery(rate: float, seconds: float, high_s: float = 5.0) ->
         "achieved_per_s": achieved,
         "sent": sent,
         "publish_errors": errors,
+        "first_error": first_error,
         "ran": len(runs),
         "lost": sent - len(runs),
         "early": sum(1 for late in lateness if late < 0),

@@ -222,6 +222,27 @@ def test_a_released_job_no_thread_starts_is_handed_back_once():
         holder.stop()
 
 
+def test_a_pool_that_keeps_starting_jobs_keeps_its_released_ones():
+    handed: list[object] = []
+    stalled = threading.Event()
+    holder = Holder(
+        lambda e: None,
+        lambda e: handed.append(e.job),
+        stalled=lambda seconds: stalled.is_set(),
+        hand_back_after_s=0.05,
+    )
+    holder.start_thread()
+    try:
+        entry = holder.hold(object(), "waits its turn", 0)
+        assert entry is not None
+        time.sleep(0.3)  # six grace periods, the pool busy but moving
+        assert handed == [] and entry.state == "released"
+        stalled.set()  # now every thread is stuck on a long job
+        assert wait_for(lambda: handed == ["waits its turn"], 1)
+    finally:
+        holder.stop()
+
+
 def test_stopping_returns_every_job_neither_started_nor_handed_back():
     holder = Holder(lambda e: None, lambda e: None, hand_back_after_s=60)
     holder.start_thread()
