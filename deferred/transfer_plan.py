@@ -109,8 +109,10 @@ def staging_plan(plan: Plan) -> StagingPlan:
 class SourceQueue:
     name: str
     kind: str
-    #: A ready queue: its jobs are due now.
+    #: A ready or hold queue: its jobs are due now, or within the hold window.
     ready: bool = False
+    #: A hold queue: its jobs may move on to their ready queue (handed back).
+    hold: bool = False
 
 
 def source_queues(plan: Plan, records: Iterable[Mapping[str, Any]]) -> list[SourceQueue]:
@@ -123,7 +125,7 @@ def source_queues(plan: Plan, records: Iterable[Mapping[str, Any]]) -> list[Sour
     return [
         *(SourceQueue(q.name, JOB, ready=True) for q in plan.ready_queues.values()),
         # Due within the hold window, or held by a worker (taken once it lets go).
-        *(SourceQueue(q.name, JOB, ready=True) for q in plan.hold_queues.values()),
+        *(SourceQueue(q.name, JOB, ready=True, hold=True) for q in plan.hold_queues.values()),
         *(SourceQueue(name, JOB) for name in sorted(delay, key=lambda n: (delay[n], n))),
         SourceQueue(plan.failed_queue.name, FAILED),
     ]
@@ -132,11 +134,13 @@ def source_queues(plan: Plan, records: Iterable[Mapping[str, Any]]) -> list[Sour
 def flow_order(queues: list[SourceQueue]) -> list[SourceQueue]:
     """``queues`` (as :func:`source_queues` orders them) in the order messages flow
     through them: delay queues from the longest TTL (a message only ever moves to a
-    lower level), then the ready queues, then the failed queue."""
+    lower level), then the hold queues (a held job may be handed back to its ready
+    queue), then the ready queues, then the failed queue."""
     delay = [q for q in queues if q.kind == JOB and not q.ready]
     return [
         *reversed(delay),
-        *(q for q in queues if q.ready),
+        *(q for q in queues if q.hold),
+        *(q for q in queues if q.ready and not q.hold),
         *(q for q in queues if q.kind == FAILED),
     ]
 
