@@ -410,7 +410,9 @@ def collect(settings: DeferredSettings, *, read_failed: bool = True) -> Status:
         read_from=admin.node,
     )
     unacked = None
-    if api_queues is not None:
+    # Without message counts (RabbitMQ 4.3's management_metrics_collection denied)
+    # the API lists every queue at 0 unacked: unknown, not zero.
+    if api_queues is not None and view.stuck_unknown != cluster.NO_COUNTS:
         unacked = {
             q.name: api_queues[q.name].unacked
             for q in (*plan.ready_queues.values(), *plan.hold_queues.values())

@@ -187,8 +187,10 @@ def test_a_ready_queue_declared_without_the_limits_is_used_with_a_policy_hint(br
             return
         assert f"queue {ready} exists with other limits (x-consumer-timeout=None)" in err.getvalue()
         assert '"consumer-timeout": 3600000' in err.getvalue()
-        # One for each ready queue; the delay queues are not worth a warning each.
-        assert err.getvalue().count("exists with other limits") == len(plan.ready_queues)
+        # One for each queue the workers consume (ready and hold queues); the delay
+        # queues are not worth a warning each.
+        consumed = len(plan.ready_queues) + len(plan.hold_queues)
+        assert err.getvalue().count("exists with other limits") == consumed
 
 
 def starts(records: str) -> int:
