@@ -32,6 +32,7 @@ from deferred.cluster import ClusterView
 from deferred.conf import DeferredSettings
 from deferred.failures import FailedJob, parse_failed
 from deferred.scheduler import Overview, read_overview, scheduled_tasks
+from deferred.stuck import NO_COUNTS
 from deferred.topology import Plan, Queue, plan_topology, recorded_plan
 
 #: The chart's buckets: (label, the longest wait that falls in it, in ms).
@@ -412,7 +413,7 @@ def collect(settings: DeferredSettings, *, read_failed: bool = True) -> Status:
     unacked = None
     # Without message counts (RabbitMQ 4.3's management_metrics_collection denied)
     # the API lists every queue at 0 unacked: unknown, not zero.
-    if api_queues is not None and view.stuck_unknown != cluster.NO_COUNTS:
+    if api_queues is not None and view.stuck_unknown != NO_COUNTS:
         unacked = {
             q.name: api_queues[q.name].unacked
             for q in (*plan.ready_queues.values(), *plan.hold_queues.values())
