@@ -250,32 +250,25 @@ class Consumer:
     ) -> None:
         # Capped by its own consumer's prefetch: not one of the slots.
         assert self._on_delivery is not None
-        self._on_delivery(
-            Delivery(
-                body=body,
-                tag=method.delivery_tag,
-                queue=queue,
-                redelivered=bool(method.redelivered),
-                generation=self.generation,
-                headers=dict(props.headers or {}),
-                message_id=props.message_id,
-                hold=True,
-            )
-        )
+        self._on_delivery(self._delivery(queue, method, props, body, hold=True))
 
     def _deliver(self, queue: str, method: Any, props: Any, body: bytes, *, pinned: bool) -> None:
         assert self._slots is not None and self._on_delivery is not None
         self._slots.took(method.delivery_tag, queue, pinned=pinned, now=time.monotonic())
-        self._on_delivery(
-            Delivery(
-                body=body,
-                tag=method.delivery_tag,
-                queue=queue,
-                redelivered=bool(method.redelivered),
-                generation=self.generation,
-                headers=dict(props.headers or {}),
-                message_id=props.message_id,
-            )
+        self._on_delivery(self._delivery(queue, method, props, body))
+
+    def _delivery(
+        self, queue: str, method: Any, props: Any, body: bytes, *, hold: bool = False
+    ) -> Delivery:
+        return Delivery(
+            body=body,
+            tag=method.delivery_tag,
+            queue=queue,
+            redelivered=bool(method.redelivered),
+            generation=self.generation,
+            headers=dict(props.headers or {}),
+            message_id=props.message_id,
+            hold=hold,
         )
 
     def _roam(self) -> None:
