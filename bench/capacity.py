@@ -55,6 +55,8 @@ PRODUCER_THREADS = 8
 class Checkout:
     name: str
     root: Path
+    #: DEFERRED settings of this variant only, over ``--setting``.
+    settings: tuple[tuple[str, Any], ...] = ()
 
 
 class Point:
@@ -358,6 +360,14 @@ def main() -> None:
     parser.add_argument(
         "--setting", action="append", default=[], help="NAME=JSON, a DEFERRED setting"
     )
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME=JSON",
+        help="also this checkout with that DEFERRED setting, alternating with it "
+        "(e.g. PRIORITIES=false)",
+    )
     parser.add_argument("--skip-self", action="store_true", help="measure only the --checkout ones")
     parser.add_argument(
         "--celery",
@@ -377,6 +387,9 @@ def main() -> None:
         name, path = item.split("=", 1)
         checkouts.append(Checkout(name, Path(path).resolve()))
     extra = {k: json.loads(v) for k, v in (s.split("=", 1) for s in args.setting)}
+    for item in args.variant:
+        key, value = item.split("=", 1)
+        checkouts.append(Checkout(f"main {key}={value}", ROOT, ((key, json.loads(value)),)))
     for folder in (args.profile, args.logs):
         if folder:
             folder.mkdir(parents=True, exist_ok=True)
@@ -394,7 +407,13 @@ def main() -> None:
                     slug = checkout.name.split()[0]
                     profile = args.profile / f"{slug}-{rate:.0f}-{round_}"
                 point = measure(
-                    checkout, rate, args.seconds, args.queue_type, extra, profile, args.logs
+                    checkout,
+                    rate,
+                    args.seconds,
+                    args.queue_type,
+                    {**extra, **dict(checkout.settings)},
+                    profile,
+                    args.logs,
                 )
                 points.append(point)
                 print(table([point]).splitlines()[-1], flush=True)

@@ -6,6 +6,7 @@ from deferred import cancel, defer, task
 def send_reminder(reminder_id): ...
 
 job_id = defer(send_reminder, timedelta(hours=24), reminder.pk)
+deferred.result(job_id).state  # "pending", later "running", "succeeded"...
 cancel(job_id)  # changed our mind: it will not run
 """
 
@@ -22,7 +23,9 @@ from deferred.broker import (
 )
 from deferred.cancels import cancel, cancel_many
 from deferred.context import current_job
+from deferred.limits import TimeLimitExceeded
 from deferred.publishing import defer, defer_many
+from deferred.results import Result, aresult, result
 from deferred.retries import Exponential, Retry
 from deferred.schedule import cron, every
 from deferred.tasks import Task, task
@@ -35,12 +38,15 @@ __all__ = [
     "Exponential",
     "MessageTooLarge",
     "PublishRefused",
+    "Result",
     "Retry",
     "Task",
+    "TimeLimitExceeded",
     "TopologyNotDeclared",
     "__version__",
     "adefer",
     "adefer_many",
+    "aresult",
     "cancel",
     "cancel_many",
     "cron",
@@ -48,6 +54,7 @@ __all__ = [
     "defer",
     "defer_many",
     "every",
+    "result",
     "task",
     "testing",
 ]

@@ -7,20 +7,26 @@ the same delay topology, on-commit rule and worker as ``defer()``: a task
 enqueued here is a job like any other, so ``run_deferred_worker`` runs both
 kinds from the same queues.
 
-What it does not do, it says through the capability flags rather than by
-ignoring an argument: there is no result store (``supports_get_result`` is
-false, the app has no models), and no priorities (RabbitMQ queues here are
-FIFO per delay), so a task with a priority is refused with the framework's
-own ``InvalidTask``.
+Results: ``get_result()`` and ``aget_result()`` (so ``TaskResult.refresh()``)
+read the workers' records from the results stream (:mod:`deferred.results`),
+with no table. A task enqueued by this process reads ``READY`` until its
+first record; an id another process enqueued that has no record yet (not
+started) raises ``TaskResultDoesNotExist``, as an unknown id does: without a
+table nothing can tell the two apart. A cancelled or superseded task reads
+``FAILED`` with a :class:`deferred.results.JobCancelled` error, the
+framework having no status of its own for it.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import logging
 import re
 import sys
+import threading
 import traceback
+from collections import OrderedDict
 from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -38,14 +44,16 @@ from deferred.conf import DeferredSettings, get_settings
 from deferred.context import running
 from deferred.delays import delay_ms
 from deferred.jobs import Job, new_job_id, utcnow
+from deferred.limits import Watch, parse_time_limit, run_async
 from deferred.publishing import submit
+from deferred.results import CANCELLED, FAILED, PENDING, RUNNING, SUCCEEDED, Result, result
 from deferred.retries import (
     Backoff,
     RetryPolicy,
     parse_backoff,
     validate_max_retries,
 )
-from deferred.tasks import UnknownTask, check_call
+from deferred.tasks import SETTING, UnknownTask, check_call
 
 
 def _framework_package() -> str:
@@ -85,6 +93,7 @@ _api = importlib.import_module(_package)
 _base = importlib.import_module(f"{_package}.base")
 _exceptions = importlib.import_module(f"{_package}.exceptions")
 _signals = importlib.import_module(f"{_package}.signals")
+TaskResultDoesNotExist = _exceptions.TaskResultDoesNotExist
 BaseTaskBackend: Any = importlib.import_module(f"{_package}.backends.base").BaseTaskBackend
 # The backport names its exceptions with an "Error" suffix.
 InvalidTask = getattr(_exceptions, "InvalidTask", None) or _exceptions.InvalidTaskError
@@ -109,7 +118,7 @@ _enqueuing: ContextVar[Any] = ContextVar("deferred_enqueuing", default=None)
 __all__ = ["InvalidTask", "RabbitMQBackend", "resolve_django_task"]
 
 #: OPTIONS this backend understands; each defaults to the DEFERRED key of the same name.
-OPTION_NAMES = ("ON_COMMIT", "MAX_RETRIES", "RETRY_BACKOFF")
+OPTION_NAMES = ("ON_COMMIT", "MAX_RETRIES", "RETRY_BACKOFF", "TIME_LIMIT")
 
 
 class RabbitMQBackend(BaseTaskBackend):  # type: ignore[misc]
@@ -120,16 +129,18 @@ class RabbitMQBackend(BaseTaskBackend):  # type: ignore[misc]
     default queue name, ``"default"``, is always accepted: a task that names
     no queue goes to DEFERRED's default queue (the first of its QUEUES), as a
     job of ``defer()`` does. ``OPTIONS`` may set ``ON_COMMIT``,
-    ``MAX_RETRIES`` and ``RETRY_BACKOFF`` for this backend's tasks; unset,
-    they follow ``DEFERRED``.
+    ``MAX_RETRIES``, ``RETRY_BACKOFF`` and ``TIME_LIMIT`` for this backend's
+    tasks (django.tasks' ``@task`` has no time limit of its own); unset, they
+    follow ``DEFERRED``.
     """
 
     supports_defer = True
     supports_async_task = True
-    #: No result store: a model-free backend keeps nothing after the job ran.
-    supports_get_result = False
-    #: Jobs of one queue run in the order they become due; there is no priority.
-    supports_priority = False
+    #: From the results stream the workers write (deferred.results), with no table.
+    supports_get_result = True
+    #: Django's -100..100, as ``@deferred.task(priority=...)``: among due jobs, higher runs
+    #: first, as far as the queues allow (see :mod:`deferred.priorities`).
+    supports_priority = True
 
     def __init__(self, alias: str, params: dict[str, Any]) -> None:
         super().__init__(alias, params)
@@ -152,6 +163,12 @@ class RabbitMQBackend(BaseTaskBackend):  # type: ignore[misc]
         self.on_commit: bool | None = on_commit
         self.max_retries: int | None = _option(alias, options, "MAX_RETRIES", validate_max_retries)
         self.retry_backoff: Backoff | None = _option(alias, options, "RETRY_BACKOFF", parse_backoff)
+        #: Seconds an attempt may run; ``SETTING``: DEFERRED['TIME_LIMIT'] (``None``: no limit).
+        self.time_limit_s: float | None = (
+            _option(alias, options, "TIME_LIMIT", parse_time_limit)
+            if "TIME_LIMIT" in options
+            else SETTING
+        )
 
     def validate_task(self, task: Any) -> None:
         """The queue is a target queue of DEFERRED, then the framework's own checks.
@@ -184,6 +201,7 @@ class RabbitMQBackend(BaseTaskBackend):  # type: ignore[misc]
             submit(enqueuing.job, enqueuing.wait_ms, **enqueuing.submit_options)
         finally:
             _enqueuing.reset(token)
+        _remember(enqueuing.result)
         return enqueuing.result
 
     async def aenqueue(self, task: Any, args: Any, kwargs: Any) -> Any:
@@ -199,7 +217,96 @@ class RabbitMQBackend(BaseTaskBackend):  # type: ignore[misc]
             await asubmit(enqueuing.job, enqueuing.wait_ms, **enqueuing.submit_options)
         finally:
             _enqueuing.reset(token)
+        _remember(enqueuing.result)
         return enqueuing.result
+
+    def get_result(self, result_id: str) -> Any:
+        """The task's result from the workers' records (``deferred.result()``).
+
+        ``TaskResultDoesNotExist`` for an id no record names (unknown, older
+        than ``RESULT_TTL``, not started yet and enqueued by another process,
+        or none found before the read ran out of time), and for a job that is
+        not this backend's; ``deferred.BrokerUnavailable`` if no broker node
+        answers.
+        """
+        try:
+            found = result(result_id)
+        except ValueError:
+            raise TaskResultDoesNotExist(f"{result_id!r} is not a task result id.") from None
+        if found.outcome is None:
+            enqueued = _enqueued_here(result_id)
+            if enqueued is not None and enqueued.backend == self.alias:
+                return enqueued
+            if not found.complete:
+                raise TaskResultDoesNotExist(
+                    f"No result found for {result_id!r} before the read of the results "
+                    "stream ran out of time (DEFERRED['PUBLISH_TIMEOUT'])."
+                )
+            raise TaskResultDoesNotExist(
+                f"No result recorded for {result_id!r}: it has not started yet, or the id is "
+                "unknown or older than DEFERRED['RESULT_TTL']."
+            )
+        if found.backend != self.alias:
+            raise TaskResultDoesNotExist(
+                f"{result_id!r} is not a task of TASKS[{self.alias!r}] "
+                f"(it is {found.task!r}, enqueued through {found.backend or 'defer()'})."
+            )
+        return self._task_result(found)
+
+    async def aget_result(self, result_id: str) -> Any:
+        """:meth:`get_result` for async code: the read runs in a worker thread, so the
+        event loop goes on meanwhile."""
+        from asgiref.sync import sync_to_async
+
+        return await sync_to_async(self.get_result, thread_sensitive=False)(result_id)
+
+    def _task_result(self, found: Result) -> Any:
+        """The framework's ``TaskResult`` for what the records say."""
+        enqueued = _enqueued_here(found.id)
+        task = enqueued.task if enqueued is not None else self._framework_task(found)
+        errors = [
+            TaskError(exception_class_path=e.type, traceback=e.traceback) for e in found.errors
+        ]
+        if found.state == CANCELLED:
+            errors.append(
+                TaskError(
+                    exception_class_path="deferred.results.JobCancelled",
+                    traceback=f"deferred.results.JobCancelled: {found.outcome}\n",
+                )
+            )
+        task_result = TaskResult(
+            task=task,
+            id=found.id,
+            status=_STATUSES[found.state],
+            enqueued_at=found.enqueued_at,
+            started_at=found.started_at,
+            finished_at=found.finished_at,
+            last_attempted_at=found.last_attempted_at,
+            args=list(found.args),
+            kwargs=dict(found.kwargs),
+            backend=self.alias,
+            errors=errors,
+            worker_ids=list(found.workers),
+        )
+        if found.state == SUCCEEDED:
+            object.__setattr__(task_result, "_return_value", found.value)
+        return task_result
+
+    def _framework_task(self, found: Result) -> Any:
+        """The django.tasks ``Task`` a record names, looked up as the worker does."""
+        job = Job(
+            id=found.id,
+            task=found.task or "",
+            args=found.args,
+            kwargs=found.kwargs,
+            due=found.enqueued_at or utcnow(),
+            queue="",
+            backend=self.alias,
+        )
+        try:
+            return resolve_django_task(job).task
+        except UnknownTask as exc:
+            raise TaskResultDoesNotExist(f"{found.id!r}: {exc}") from None
 
     def _enqueuing(self, task: Any, args: Any, kwargs: Any) -> _Enqueuing:
         """Every check of ``enqueue()``, the job it publishes and the result it returns."""
@@ -218,6 +325,7 @@ class RabbitMQBackend(BaseTaskBackend):  # type: ignore[misc]
             queue=_target_queue(task.queue_name, settings.queues) or task.queue_name,
             created=now,
             backend=self.alias,
+            priority=task.priority,
         )
         body = job.encode()  # TypeError now, naming the task, if JSON cannot carry the arguments
         result = TaskResult(
@@ -260,6 +368,10 @@ class RabbitMQBackend(BaseTaskBackend):  # type: ignore[misc]
         except (TypeError, ValueError) as exc:
             raise InvalidTask(f"run_after: {exc}") from exc
 
+    def time_limit(self, settings: DeferredSettings) -> float | None:
+        """Seconds an attempt of this backend's tasks may run; ``None``: no limit."""
+        return settings.time_limit_s if self.time_limit_s is SETTING else self.time_limit_s
+
     def retry_policy(self, settings: DeferredSettings) -> RetryPolicy:
         """This backend's OPTIONS over the DEFERRED defaults."""
         return RetryPolicy(
@@ -282,6 +394,52 @@ class RabbitMQBackend(BaseTaskBackend):  # type: ignore[misc]
                 id="deferred.E010",
             )
         ]
+
+
+#: What a result's state is in the framework's terms: a cancelled task "was
+#: unable to start", which the framework calls FAILED.
+_STATUSES = {
+    PENDING: TaskResultStatus.READY,
+    RUNNING: TaskResultStatus.RUNNING,
+    SUCCEEDED: TaskResultStatus.SUCCESSFUL,
+    FAILED: TaskResultStatus.FAILED,
+    CANCELLED: TaskResultStatus.FAILED,
+}
+
+#: The results this process enqueued lately, newest last: until a worker writes
+#: a record, they are what ``get_result()`` answers (READY) for them.
+_ENQUEUED_MAX = 10_000
+_enqueued: OrderedDict[str, Any] = OrderedDict()
+_enqueued_lock = threading.Lock()
+
+
+def _remember(task_result: Any) -> None:
+    with _enqueued_lock:
+        _enqueued[task_result.id] = task_result
+        while len(_enqueued) > _ENQUEUED_MAX:
+            _enqueued.popitem(last=False)
+
+
+def _enqueued_here(result_id: str) -> Any:
+    """A fresh READY copy of a result this process enqueued, or ``None``."""
+    with _enqueued_lock:
+        known = _enqueued.get(result_id)
+    if known is None:
+        return None
+    return TaskResult(
+        task=known.task,
+        id=known.id,
+        status=TaskResultStatus.READY,
+        enqueued_at=known.enqueued_at,
+        started_at=None,
+        finished_at=None,
+        last_attempted_at=None,
+        args=list(known.args),
+        kwargs=dict(known.kwargs),
+        backend=known.backend,
+        errors=[],
+        worker_ids=[],
+    )
 
 
 @dataclass(frozen=True)
@@ -394,7 +552,9 @@ class DjangoTask:
     task: Any
     backend: RabbitMQBackend
 
-    def run(self, job: Job, worker_id: str, *, retries: bool = True) -> Any:
+    def run(
+        self, job: Job, worker_id: str, *, retries: bool = True, watch: Watch | None = None
+    ) -> Any:
         """Run one attempt with the framework's signals and, if asked for, its context.
 
         ``task_finished`` says how the attempt ended in the framework's terms:
@@ -432,10 +592,14 @@ class DjangoTask:
         _send("task_started", type(self.backend), result)
         try:
             with running(job):
+                args = list(job.args)
                 if self.task.takes_context:
-                    value = self.task.call(TaskContext(task_result=result), *job.args, **job.kwargs)
+                    args.insert(0, TaskContext(task_result=result))
+                if inspect.iscoroutinefunction(self.task.func):
+                    # As Task.call does, on a loop that enforces the time limit.
+                    value = run_async(self.task.func(*args, **job.kwargs), watch)
                 else:
-                    value = self.task.call(*job.args, **job.kwargs)
+                    value = self.task.func(*args, **job.kwargs)
         except BaseException as exc:
             kind = type(exc)
             result.errors.append(
@@ -456,6 +620,9 @@ class DjangoTask:
 
     def retry_policy(self, settings: DeferredSettings) -> RetryPolicy:
         return self.backend.retry_policy(settings)
+
+    def time_limit(self, settings: DeferredSettings) -> float | None:
+        return self.backend.time_limit(settings)
 
 
 def _finish(result: Any, status: Any) -> None:

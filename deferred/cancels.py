@@ -37,9 +37,12 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+from django.template.defaultfilters import pluralize
+
 from deferred import broker, signing
 from deferred.conf import DeferredSettings, get_settings
-from deferred.jobs import due_of, new_job_id, utcnow
+from deferred.jobs import BrokenMessage, Job, due_of, new_job_id, utcnow
+from deferred.keys import KeyView
 from deferred.topology import CANCEL_ROUTING_KEY, plan_topology
 
 logger = logging.getLogger("deferred.cancels")
@@ -181,6 +184,20 @@ def _json(body: bytes) -> object:
         raise ValueError("nested too deeply") from None
 
 
+def decode_record(body: bytes) -> tuple[list[str], datetime] | Job:
+    """A cancel record's ``(ids, at)``, or a keyed job (``deferred.keys``): the two
+    things the stream holds besides markers. ``ValueError`` for anything else."""
+    if b'"task"' in body:
+        try:
+            job = Job.decode(body)
+        except BrokenMessage as exc:
+            raise ValueError(f"not a job: {exc}") from None
+        if job.key is None:
+            raise ValueError(f"job {job.id} has no key: it has no business in the stream")
+        return job
+    return decode(body)
+
+
 def decode(body: bytes) -> tuple[list[str], datetime]:
     """``(ids, at)`` of a cancel record; ``ValueError`` for anything else."""
     data = _json(body)
@@ -209,11 +226,21 @@ def expires(job_id: str, at: datetime, margin_s: float) -> float:
 
 
 class CancelView:
-    """The cancels in force, in memory: job id -> when it may be forgotten."""
+    """The cancels in force, in memory: job id -> when it may be forgotten; and the
+    debounce keys in force (``keys``), which live in the same stream."""
 
     def __init__(self, margin_s: float) -> None:
         self.margin_s = margin_s
         self._until: dict[str, float] = {}
+        self.keys = KeyView(margin_s)
+
+    def apply(self, record: tuple[list[str], datetime] | Job, now: float) -> None:
+        """One record of the stream, read in the stream's order (``decode_record``)."""
+        if isinstance(record, Job):
+            assert record.key is not None
+            self.keys.add(record.key, record.id, record.first_due.timestamp(), now)
+        else:
+            self.add(*record, now)
 
     def add(self, ids: Iterable[str], at: datetime, now: float) -> None:
         until = self._until
@@ -229,11 +256,11 @@ class CancelView:
         return len(self._until)
 
     def sweep(self, now: float) -> int:
-        """Forget the cancels whose time is up; how many were forgotten."""
+        """Forget the cancels and keys whose time is up; how many were forgotten."""
         expired = [job_id for job_id, until in self._until.items() if until <= now]
         for job_id in expired:
             del self._until[job_id]
-        return len(expired)
+        return len(expired) + self.keys.sweep(now)
 
 
 def read_cancels(settings: DeferredSettings | None = None, *, timeout: float = 30.0) -> CancelView:
@@ -247,12 +274,12 @@ def read_cancels(settings: DeferredSettings | None = None, *, timeout: float = 3
 
     def on_message(_offset: int, body: bytes, headers: dict[str, Any]) -> None:
         try:
-            ids, at = decode(body)
+            record = decode_record(body)
             if settings.signing:
                 signing.verify(body, headers, settings.signing_keys)
         except ValueError:  # BadSignature too: what a worker would ignore
             return
-        view.add(ids, at, now)
+        view.apply(record, now)
 
     follower = broker.StreamFollower(
         settings.broker_urls, plan_topology(settings).cancels_queue.name, on_message
@@ -382,26 +409,30 @@ class CancelWatch:
                 self._awaited = None
             return
         try:
-            ids, at = decode(body)
+            record = decode_record(body)
         except ValueError as exc:
             logger.warning(
-                "Ignoring a message of stream %s that is not a cancel: %s", self.queue, exc
+                "Ignoring a message of stream %s that is neither a cancel nor a keyed job: %s",
+                self.queue,
+                exc,
             )
             return
         if self.settings.signing:
             try:
                 signing.verify(body, headers, self.settings.signing_keys)
             except signing.BadSignature as exc:
-                # A forged cancel would stop jobs from running: it is not applied.
+                # A forged cancel, or a forged keyed job superseding real ones,
+                # would stop jobs from running: it is not applied.
+                what = (
+                    f"keyed job {record.id}"
+                    if isinstance(record, Job)
+                    else f"{len(record[0])} cancel{pluralize(len(record[0]))}"
+                )
                 logger.error(
-                    "Ignoring %d cancel(s) of stream %s at offset %d: %s.",
-                    len(ids),
-                    self.queue,
-                    offset,
-                    exc,
+                    "Ignoring %s of stream %s at offset %d: %s.", what, self.queue, offset, exc
                 )
                 return
-        self.view.add(ids, at, self.clock())
+        self.view.apply(record, self.clock())
 
     def _declare_stream(self) -> bool:
         """With ``DECLARE`` on, create a missing stream (a deploy that skipped

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import urllib.parse
 from typing import Any
@@ -10,8 +11,10 @@ from django.conf import settings as django_settings
 from django.core.checks import CheckMessage, Error, Tags, Warning, register
 from django.core.exceptions import ImproperlyConfigured
 
+from deferred.broker import BrokerError, server_version
 from deferred.conf import get_settings
-from deferred.tasks import registered_tasks
+from deferred.priorities import broker_levels, honoured
+from deferred.tasks import SETTING, registered_tasks
 
 
 @register()
@@ -32,7 +35,99 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
                     id="deferred.E002",
                 )
             )
-    return errors
+    return errors + _check_time_limits(settings)
+
+
+#: RabbitMQ's consumer timeout when nothing sets another: 30 minutes.
+BROKER_CONSUMER_TIMEOUT_S = 1800.0
+
+
+def _check_time_limits(settings: Any) -> list[CheckMessage]:
+    """Warn of a time limit the broker's consumer timeout would beat: the broker would
+    take the job back and start it elsewhere while it still runs here.
+
+    Twice the limit and its grace: a job given up at its hard limit is acked
+    once the worker's other running jobs end, each within its own limit.
+    """
+    timeout_s = (
+        settings.consumer_timeout_ms / 1000
+        if settings.consumer_timeout_ms is not None
+        else BROKER_CONSUMER_TIMEOUT_S
+    )
+    limits: list[tuple[str, float | None, object]] = [
+        ("DEFERRED['TIME_LIMIT']", settings.time_limit_s, None)
+    ]
+    limits += [
+        (f"Task {name!r}'s time_limit", task.time_limit(settings), task.func)
+        for name, task in sorted(registered_tasks().items())
+        if task.time_limit_s is not SETTING
+    ]
+    warnings: list[CheckMessage] = []
+    for what, limit_s, obj in limits:
+        if limit_s is not None and 2 * (limit_s + settings.time_limit_grace_s) >= timeout_s:
+            warnings.append(
+                Warning(
+                    f"Twice {what} ({limit_s:g} s) plus TIME_LIMIT_GRACE "
+                    f"({settings.time_limit_grace_s:g} s) reaches the consumer timeout "
+                    f"({timeout_s:g} s): RabbitMQ could take such a job back and start it "
+                    "again elsewhere while it still runs (a job given up at its hard limit "
+                    "is acked once the worker's other running jobs end).",
+                    hint="Lower the limit, or raise DEFERRED['CONSUMER_TIMEOUT'] (quorum "
+                    "queues) or consumer_timeout in rabbitmq.conf above it.",
+                    obj=obj,
+                    id="deferred.W004",
+                )
+            )
+    return warnings
+
+
+@functools.lru_cache(maxsize=8)
+def _broker_version(urls: tuple[str, ...]) -> tuple[int, ...] | None:
+    """The broker's release, asked once per process (checks run at every command's start)."""
+    try:
+        return server_version(urls, timeout=2.0)
+    except BrokerError:
+        return None
+
+
+@register()
+def check_priorities(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """Warn of a task whose priority the queues cannot honour.
+
+    Only asked when a task sets a priority and the queues may not order
+    by it: quorum queues (their levels depend on the RabbitMQ release,
+    which only the broker can tell) or classic ones with PRIORITIES off.
+    """
+    try:
+        settings = get_settings()
+    except ImproperlyConfigured:
+        return []  # check_settings reports it
+    asking = [(n, t) for n, t in sorted(registered_tasks().items()) if t.priority]
+    if not asking or (settings.queue_type == "classic" and settings.priorities):
+        return []
+    if settings.queue_type == "classic":
+        levels, where = 1, "DEFERRED['PRIORITIES'] is False: the ready queues are FIFO"
+    else:
+        version = _broker_version(settings.broker_urls)
+        if version is None:
+            return []  # no broker to ask: nothing is known, nothing is said
+        levels = broker_levels("quorum", version)
+        release = ".".join(map(str, version))
+        where = f"quorum queues on RabbitMQ {release} have " + (
+            "no priorities" if levels == 1 else f"{levels} priority levels"
+        )
+    return [
+        Warning(
+            f"Task {name!r} asks for priority {task.priority}, which the ready queues "
+            f"cannot honour: {where}.",
+            hint="Jobs waiting in a worker for a thread are still ordered by priority; "
+            "see the worker guide's section on priorities for what each queue type offers.",
+            obj=task.func,
+            id="deferred.W005",
+        )
+        for name, task in asking
+        if not honoured(task.priority, levels)
+    ]
 
 
 @register()

@@ -24,10 +24,18 @@ from django.conf import settings as django_settings
 from django.core.exceptions import ImproperlyConfigured
 from django.core.signals import setting_changed
 from django.dispatch import receiver
+from django.template.defaultfilters import pluralize
 
+from deferred.limits import parse_time_limit
 from deferred.retries import Backoff, parse_backoff, validate_max_retries
 from deferred.schedule import Schedule
-from deferred.topology import CANCEL_MARGIN_MS, MAX_TTL_MS, TopologyError, plan_topology
+from deferred.topology import (
+    CANCEL_MARGIN_MS,
+    MAX_TTL_MS,
+    RESULT_TTL_MS,
+    TopologyError,
+    plan_topology,
+)
 
 DEFAULTS: dict[str, Any] = {
     # An AMQP URL in pika's syntax (?heartbeat=30 etc.), or a list of them,
@@ -67,6 +75,23 @@ DEFAULTS: dict[str, Any] = {
     # its concurrency), 1-65535. A held job that comes due while every
     # thread is busy goes back for another worker at once.
     "HOLD_PREFETCH": 1000,
+    # How long one attempt of a task may run (timedelta or seconds; None: no
+    # limit), unless the task sets @task(time_limit=...). When it passes,
+    # deferred.TimeLimitExceeded is raised inside the task. Ten minutes stops
+    # a hung job long before the broker's consumer timeout (30 minutes by
+    # default) would take it back and start it a second time.
+    "TIME_LIMIT": timedelta(minutes=10),
+    # How long a task may go on after TimeLimitExceeded (to clean up, or
+    # because it is blocked in C code) before the worker records the attempt
+    # as timed_out, acks it and ends its process for a fresh one.
+    "TIME_LIMIT_GRACE": timedelta(seconds=30),
+    # Among due jobs, higher @task(priority=...) runs first. Classic ready and
+    # hold queues then take x-max-priority, a topology of its own (declared
+    # beside the old one, which drains: see the live-changes guide); quorum
+    # queues need nothing (RabbitMQ 4.0+; 3.x quorum queues have no
+    # priorities). False: plain FIFO queues, and priorities only order the
+    # jobs waiting in a worker for a thread.
+    "PRIORITIES": True,
     # "classic" or "quorum": quorum queues close the crash window between two
     # levels and cost about twice the broker CPU per job.
     "QUEUE_TYPE": "classic",
@@ -153,6 +178,17 @@ DEFAULTS: dict[str, Any] = {
     # Addresses or networks (["10.0.0.0/8", "::1"]) the metrics/ URL answers,
     # checked against REMOTE_ADDR; with METRICS_TOKEN too, both must pass.
     "METRICS_ALLOW": None,
+    # Results (deferred.results): workers write each job's start and outcome to
+    # the PREFIX.results stream, which deferred.result(id) and the django.tasks
+    # backend's get_result() read. False: nothing is written, at no cost.
+    "RESULTS": True,
+    # How long the results stream keeps them (timedelta or seconds, 1 minute
+    # to 10 years): RabbitMQ drops older ones by whole segments. Declared with
+    # the stream: a change needs the stream re-made (see the results guide).
+    "RESULT_TTL": timedelta(milliseconds=RESULT_TTL_MS),
+    # The largest return value kept, as JSON (0 to 1 MiB); a larger one, or
+    # one JSON cannot carry, is left out of the result (value_kept is False).
+    "RESULT_MAX_BYTES": 64 * 1024,
 }
 
 #: The management plugin's default ports, plain and TLS.
@@ -242,6 +278,18 @@ class DeferredSettings:
     hold_window_ms: int = 256
     #: The most jobs a worker holds at once, beside its concurrency.
     hold_prefetch: int = 1000
+    #: Whether classic ready queues order due jobs by priority (``x-max-priority``).
+    priorities: bool = True
+    #: How long an attempt may run, in seconds (None: no limit); tasks may set their own.
+    time_limit_s: float | None = 600.0
+    #: How long after the soft limit the worker gives up on an attempt, in seconds.
+    time_limit_grace_s: float = 30.0
+    #: Whether workers write results (``RESULTS``).
+    results: bool = True
+    #: How long the results stream keeps them (``RESULT_TTL``).
+    result_ttl_ms: int = RESULT_TTL_MS
+    #: The largest return value kept, in bytes of JSON (``RESULT_MAX_BYTES``).
+    result_max_bytes: int = 64 * 1024
 
     @property
     def broker_url(self) -> str:
@@ -274,6 +322,21 @@ def _consumer_timeout_ms(value: Any, queue_type: str) -> int | None:
             f"limit), or None; got {value!r}."
         )
     return math.ceil(timeout_ms)
+
+
+def _time_limits(limit: Any, grace: Any) -> tuple[float | None, float]:
+    """``TIME_LIMIT`` and ``TIME_LIMIT_GRACE`` in seconds, checked."""
+    try:
+        limit_s = parse_time_limit(limit, "DEFERRED['TIME_LIMIT']")
+        grace_s = parse_time_limit(grace, "DEFERRED['TIME_LIMIT_GRACE']")
+    except (TypeError, ValueError) as exc:
+        raise ImproperlyConfigured(str(exc)) from None
+    if grace_s is None:
+        raise ImproperlyConfigured(
+            "DEFERRED['TIME_LIMIT_GRACE'] must be a positive duration (seconds or a "
+            "timedelta), not None."
+        )
+    return limit_s, grace_s
 
 
 #: The longest HOLD_WINDOW: a worker holds its jobs in memory, unacked.
@@ -338,6 +401,31 @@ def _metrics_allow(
                 f"DEFERRED['METRICS_ALLOW']: {entry!r} is not an IP address or network."
             ) from None
     return tuple(networks)
+
+
+#: RESULT_MAX_BYTES' ceiling: a result is one record among many in a stream message.
+MAX_RESULT_BYTES = 1024 * 1024
+
+
+def _results(enabled: Any, ttl: Any, max_bytes: Any) -> tuple[bool, int, int]:
+    """RESULTS, RESULT_TTL (milliseconds) and RESULT_MAX_BYTES, checked."""
+    if not isinstance(enabled, bool):
+        raise ImproperlyConfigured(f"DEFERRED['RESULTS'] must be True or False, got {enabled!r}.")
+    ttl_ms = _duration_ms("RESULT_TTL", ttl)
+    if not 60_000 <= ttl_ms <= MAX_TTL_MS:
+        raise ImproperlyConfigured(
+            f"DEFERRED['RESULT_TTL'] must be from 1 minute to 10 years, got {ttl!r}."
+        )
+    if (
+        isinstance(max_bytes, bool)
+        or not isinstance(max_bytes, int)
+        or not 0 <= max_bytes <= MAX_RESULT_BYTES
+    ):
+        raise ImproperlyConfigured(
+            "DEFERRED['RESULT_MAX_BYTES'] must be a whole number of bytes from 0 to "
+            f"{MAX_RESULT_BYTES}, got {max_bytes!r}."
+        )
+    return enabled, math.ceil(ttl_ms), max_bytes
 
 
 def _duration_ms(name: str, value: Any) -> float:
@@ -440,7 +528,7 @@ def _build(raw: Any) -> DeferredSettings:
     unknown = sorted(set(raw) - set(DEFAULTS))
     if unknown:
         raise ImproperlyConfigured(
-            f"Unknown key(s) in DEFERRED: {', '.join(unknown)}. "
+            f"Unknown key{pluralize(len(unknown))} in DEFERRED: {', '.join(unknown)}. "
             f"Known keys: {', '.join(sorted(DEFAULTS))}."
         )
     values = {**DEFAULTS, **raw}
@@ -577,6 +665,17 @@ def _build(raw: Any) -> DeferredSettings:
     metrics_token = _metrics_token(values["METRICS_TOKEN"])
     metrics_allow = _metrics_allow(values["METRICS_ALLOW"])
     hold_window_ms, hold_prefetch = _hold(values["HOLD_WINDOW"], values["HOLD_PREFETCH"])
+    priorities = values["PRIORITIES"]
+    if not isinstance(priorities, bool):
+        raise ImproperlyConfigured(
+            f"DEFERRED['PRIORITIES'] must be True or False, got {priorities!r}."
+        )
+    time_limit_s, time_limit_grace_s = _time_limits(
+        values["TIME_LIMIT"], values["TIME_LIMIT_GRACE"]
+    )
+    results, result_ttl_ms, result_max_bytes = _results(
+        values["RESULTS"], values["RESULT_TTL"], values["RESULT_MAX_BYTES"]
+    )
     tls = _tls(values)
     if tls is not None:
         broker_urls = tuple(_with_tls(url, tls) for url in broker_urls)
@@ -610,6 +709,12 @@ def _build(raw: Any) -> DeferredSettings:
         metrics_allow=metrics_allow,
         hold_window_ms=hold_window_ms,
         hold_prefetch=hold_prefetch,
+        time_limit_s=time_limit_s,
+        time_limit_grace_s=time_limit_grace_s,
+        priorities=priorities,
+        results=results,
+        result_ttl_ms=result_ttl_ms,
+        result_max_bytes=result_max_bytes,
     )
     # The plan enforces the limits that depend on several values at once
     # (routing-key length); building it here makes them configuration errors.

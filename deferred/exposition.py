@@ -90,6 +90,26 @@ class _Collector:
             )
             cancels.add_metric([], snapshot.cancels)
             yield cancels
+        if snapshot.keys is not None and snapshot.superseded is not None:
+            keys = gauge(
+                "deferred_keys_in_force", "Debounce keys whose latest job can still come due."
+            )
+            keys.add_metric([], snapshot.keys)
+            yield keys
+            superseded = gauge(
+                "deferred_superseded_pending",
+                "Superseded debounced jobs still remembered (each dropped when it comes due).",
+            )
+            superseded.add_metric([], snapshot.superseded)
+            yield superseded
+        if snapshot.result_messages is not None:
+            kept = gauge(
+                "deferred_result_messages",
+                "Messages of result records in the results stream (each one write, "
+                "of one or more jobs), kept for RESULT_TTL.",
+            )
+            kept.add_metric([], snapshot.result_messages)
+            yield kept
         if snapshot.schedules is not None:
             yield from _schedules(gauge, snapshot)
 

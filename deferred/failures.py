@@ -19,7 +19,7 @@ import socket
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from deferred import broker, signing
@@ -31,6 +31,7 @@ from deferred.jobs import INVALID as INVALID
 from deferred.jobs import UNDECODABLE as UNDECODABLE
 from deferred.jobs import BrokenMessage, Job, looks_like_id, new_job_id, utcnow
 from deferred.publishing import publish
+from deferred.results import record_redrive
 from deferred.retries import RETRIES_EXHAUSTED as RETRIES_EXHAUSTED
 from deferred.retries import TASK_ERROR as TASK_ERROR
 from deferred.topology import plan_topology
@@ -44,6 +45,8 @@ from deferred.topology import plan_topology
 UNKNOWN_TASK = "unknown_task"
 #: Delivered too many times without being acked: it keeps killing workers.
 DELIVERY_LIMIT = "delivery_limit"
+#: The attempt ran past its time limit and was not retried (``deferred.limits``).
+TIMED_OUT = "timed_out"
 #: A delayed job found no route after its first hop (e.g. an undeclared queue).
 UNROUTABLE = "unroutable"
 #: How much of a body that is not kept whole (too large) the record keeps.
@@ -158,6 +161,20 @@ class FailedJob:
     #: Whether the entry is signed with a key this process accepts (always
     #: ``True`` when it was not checked): a re-drive runs only trusted entries.
     trusted: bool = True
+
+    @property
+    def failed_at_time(self) -> datetime | None:
+        """``failed_at`` as an aware datetime, for pages that format times their own way.
+
+        ``None`` when missing or unreadable: a record from another tool may hold anything.
+        """
+        try:
+            when = datetime.fromisoformat(self.failed_at) if self.failed_at else None
+        except ValueError:
+            return None
+        if when is not None and when.tzinfo is None:
+            when = when.replace(tzinfo=UTC)
+        return when
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -360,6 +377,13 @@ def redrive(
 ) -> Outcome:
     """Defer the chosen failed jobs again, after ``delay_s``, as a fresh first attempt.
 
+    The job keeps its id, and ``deferred.result()`` shows the new run: its first
+    due time is set anew, which its result records carry as their run, and a
+    later run supersedes the failure (:func:`deferred.results.fold`); a
+    duplicate delivery of the failed run, which keeps the old first due time,
+    does not. A record of the new run is written at once, so the job reads
+    ``pending`` (``retrying``) until the new run starts.
+
     Each one is published (and confirmed) before its failed entry is acked,
     signed with the current key. An entry that is not signed with a key this
     process accepts (reason ``bad_signature``, or a record anyone could have
@@ -401,6 +425,8 @@ def redrive(
                 found.task,
             )
         now = utcnow()
+        # first_due_at=None: its first due time is now this one, which marks a new
+        # run in the results (a later one than the run that failed).
         job = replace(
             found,
             attempt=1,
@@ -409,6 +435,15 @@ def redrive(
             workers=(),
         )
         publish(job, wait_ms, settings=settings)
+        try:
+            record_redrive(settings, job)
+        except broker.BrokerError as exc:
+            logger.warning(
+                "job=%s re-driven, but the results stream could not be told (%s): it "
+                "reads failed until its new run starts.",
+                job.id,
+                exc,
+            )
         return None
 
     return _select(settings, ids, act)

@@ -8,8 +8,9 @@ the sum of the lowest levels' broker hops, and those hops, most of the
 broker's work for short delays, are gone.
 
 :class:`Holder` is the timer: one thread, a heap of due times. It knows
-nothing of AMQP; the worker gives it what to do when a job comes due
-(``release``: hand it to the pool) and when a released job has waited
+nothing of AMQP; the worker gives it what to do when jobs come due
+(``release``: hand them to the pool, all those due at once together, so that
+the pool can start them by priority) and when a released job has waited
 :data:`HAND_BACK_AFTER_S` while the pool started nothing at all (``stalled``
 says so; ``hand_back``: a fresh copy goes back to its queue, for a worker with
 a free thread). A held job is started or handed back exactly once:
@@ -58,11 +59,12 @@ class Held:
 
 
 class Holder:
-    """Keeps held jobs until they are due, then hands each to ``release``, once."""
+    """Keeps held jobs until they are due, then hands each to ``release``, once: the
+    jobs due at the same moment in one call."""
 
     def __init__(
         self,
-        release: Callable[[Held], None],
+        release: Callable[[list[Held]], None],
         hand_back: Callable[[Held], None],
         *,
         stalled: Callable[[float], bool] = lambda seconds: True,
@@ -137,14 +139,17 @@ class Holder:
             due, stale = self._next()
             if due is None and not stale:
                 return
-            for entry in due or ():
+            if due:
                 try:
-                    self._release(entry)
+                    self._release(due)
                 except Exception:
-                    logger.exception("Could not release a held job; it is handed back.")
+                    # All or none were released (Pool.submit_many): none run.
+                    logger.exception("Could not release held jobs; they are handed back.")
                     with self._lock:
-                        entry.state = HANDED_BACK
-                    self._hand_back(entry)
+                        for entry in due:
+                            entry.state = HANDED_BACK
+                    for entry in due:
+                        self._hand_back(entry)
             for entry in stale:
                 try:
                     self._hand_back(entry)

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 
+from deferred.priorities import level
+
 FORMAT_VERSION = 1
 
 #: Failure reason (``BrokenMessage.reason``): the body is not a JSON object at all.
@@ -84,6 +86,15 @@ def due_of(job_id: str) -> datetime | None:
     return datetime.fromtimestamp(int(job_id[:12], 16) / 1000, UTC)
 
 
+def body_level(body: bytes) -> int | None:
+    """The AMQP priority of the job ``body`` holds, for a copy of a message that must keep
+    its place among due jobs; ``None`` for a body that is no job."""
+    try:
+        return level(Job.decode(body).priority)
+    except BrokenMessage:
+        return None
+
+
 def utcnow() -> datetime:
     return datetime.now(UTC)
 
@@ -111,6 +122,10 @@ class Job:
     #: For a run of a schedule: the occurrence's scheduled instant (UTC), the same
     #: on every run of it; ``None`` for a job deferred by hand.
     occurrence: datetime | None = None
+    #: -100 to 100, higher runs first among due jobs (``deferred.priorities``).
+    priority: int = 0
+    #: The debounce key (``deferred.keys``): only the latest job deferred with it runs.
+    key: str | None = None
 
     @property
     def first_due(self) -> datetime:
@@ -136,6 +151,10 @@ class Job:
             data["workers"] = list(self.workers)
         if self.occurrence is not None:
             data["occurrence"] = self.occurrence.isoformat()
+        if self.priority:
+            data["priority"] = self.priority
+        if self.key is not None:
+            data["key"] = self.key
         return data
 
     def encode(self) -> bytes:
@@ -188,7 +207,11 @@ class Job:
                 backend=_typed(data, "backend", str) if "backend" in data else None,
                 workers=tuple(_typed(data, "workers", list)) if "workers" in data else (),
                 occurrence=_moment(data, "occurrence") if "occurrence" in data else None,
+                priority=_typed(data, "priority", int) if "priority" in data else 0,
+                key=_typed(data, "key", str) if "key" in data else None,
             )
+            if not -100 <= job.priority <= 100:
+                raise BrokenMessage(f"priority must be from -100 to 100, got {job.priority}")
             if not all(isinstance(w, str) for w in job.workers):
                 raise BrokenMessage(f"field 'workers' must be a list of str, got {job.workers!r}")
             if job.first_due_at == job.due:

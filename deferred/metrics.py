@@ -35,7 +35,8 @@ def prometheus_client() -> Any:
         return importlib.import_module("prometheus_client")
     except ImportError:
         raise MetricsError(
-            "Metrics need prometheus_client: pip install 'django-deferred[prometheus]'."
+            "Metrics need prometheus_client: install deferred with its prometheus extra "
+            "(pip install 'path/to/deferred[prometheus]')."
         ) from None
 
 
@@ -66,6 +67,14 @@ class WorkerMetrics(Observer):
             "How long a task function ran, by task.",
             ["task"],
             buckets=DURATION_BUCKETS,
+            registry=self.registry,
+        )
+        self.timed_out_jobs = client.Counter(
+            "deferred_jobs_timed_out",
+            "Attempts that ran past their time limit, by task, target queue and limit "
+            "(soft: TimeLimitExceeded was raised in the task; hard: the grace passed too, "
+            "and the worker process was ended).",
+            ["task", "queue", "limit"],
             registry=self.registry,
         )
         self.running = client.Gauge(
@@ -103,6 +112,10 @@ class WorkerMetrics(Observer):
 
     def finished(self) -> None:
         self.running.dec()
+
+    def timed_out(self, task: str, queue: str, *, hard: bool) -> None:
+        limit = "hard" if hard else "soft"
+        self.timed_out_jobs.labels(task=task, queue=self.queue_label(queue), limit=limit).inc()
 
     def outcome(
         self,

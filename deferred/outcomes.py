@@ -27,6 +27,9 @@ class Outcome(StrEnum):
     FAILED = "failed"
     #: Cancelled: acked without running, or, cancelled while it ran, not retried.
     CANCELLED = "cancelled"
+    #: A debounced job (``using(key=...)``) that a later job of its key replaced:
+    #: acked without running (``deferred.keys``).
+    SUPERSEDED = "superseded"
     #: Sent back to the delay queues without running: it arrived before its due
     #: time (clocks differ), or the cancels could not be read.
     RESCHEDULED = "rescheduled"
@@ -49,13 +52,15 @@ _LEVELS = {
     Outcome.RETRYING: logging.WARNING,
     Outcome.FAILED: logging.ERROR,
     Outcome.CANCELLED: logging.INFO,
+    Outcome.SUPERSEDED: logging.INFO,
     Outcome.RESCHEDULED: logging.INFO,
     Outcome.REQUEUED: logging.WARNING,
     Outcome.DROPPED: logging.WARNING,
 }
 
 #: The worker's line per job (logger ``deferred.worker``), then ``key=value`` extras:
-#: ``reason=`` and ``error=`` for a failure, ``retry_in_ms=`` for a retry,
+#: ``reason=`` and ``error=`` for a failure, ``retry_in_ms=`` for a retry, ``key=``
+#: for a superseded job,
 #: ``early_by_ms=`` or ``wait_for_cancels_ms=`` for a reschedule, ``deliveries=``
 #: for a requeue.
 JOB_LINE = "job=%s task=%s attempt=%d lateness_ms=%.1f outcome=%s duration_ms=%.1f%s"
@@ -77,6 +82,10 @@ class Observer:
 
     def finished(self) -> None:
         """A task that :meth:`started` returned or raised."""
+
+    def timed_out(self, task: str, queue: str, *, hard: bool) -> None:
+        """An attempt ran past its soft time limit, or (``hard``) past its grace too;
+        its outcome (retrying or failed) follows."""
 
     def outcome(
         self,
@@ -112,6 +121,10 @@ class Observers(Observer):
     def finished(self) -> None:
         for observer in self._all:
             observer.finished()
+
+    def timed_out(self, task: str, queue: str, *, hard: bool) -> None:
+        for observer in self._all:
+            observer.timed_out(task, queue, hard=hard)
 
     def outcome(
         self,

@@ -7,17 +7,19 @@ purge a queue; bind from an exchange as source). Publishing through the
 default exchange is checked as a write on ``amq.default`` and reaches every
 queue, so only the worker has it.
 
-* ``publisher`` (web processes: ``defer()``, ``cancel()``): writes to the
-  ingest exchanges only, which route jobs into the delay queues and cancels
-  into the cancels stream. It cannot consume, purge, delete, nor publish into
-  a ready queue or past the delays. ``defer()`` declares nothing; with
-  ``DECLARE`` off it checks only the ingest exchange, passively (RabbitMQ
-  3.10 to 4.2.5 need no permission for a passive declare, 4.2.7+ and 4.3.1+
-  any of the three, 4.2.6 and 4.3.0 *configure*).
+* ``publisher`` (web processes: ``defer()``, ``cancel()``, ``result()``):
+  writes to the ingest exchanges only, which route jobs into the delay queues,
+  cancels into the cancels stream and a result reader's marker into the
+  results stream, and reads the results stream. It cannot consume anything
+  else, purge, delete, nor publish into a ready queue or past the delays.
+  ``defer()`` declares nothing; with ``DECLARE`` off it checks only the
+  ingest exchange, passively (RabbitMQ 3.10 to 4.2.5 need no permission for
+  a passive declare, 4.2.7+ and 4.3.1+ any of the three, 4.2.6 and 4.3.0
+  *configure*).
 * ``worker``: reads every queue of the prefix (ready queues, the scheduler's,
-  the cancels stream, the failed queue for re-drives), publishes retries and
-  re-drives to the ingest exchanges, and failure records, requeues and the
-  scheduler's records through the default exchange. It configures nothing,
+  the cancels stream, the failed queue for re-drives), publishes retries,
+  re-drives and result records to the ingest exchanges, and failure records,
+  requeues and the scheduler's records through the default exchange. It configures nothing,
   so it cannot delete a queue: the topology must exist (``DECLARE`` off).
 * ``admin``: declares and removes the topology (``declare_delay_topology``):
   everything under the prefix, and the default exchange for the registry of
@@ -55,17 +57,19 @@ def for_role(role: str, prefix: str) -> Permissions:
     # The names topology.py gives, and nothing else: a regex as loose as
     # "PREFIX\..+" would also match the names of a prefix nested in this one
     # ("app" and "app.x"). Any topology id: RADIX, RESOLUTION, MAX_DELAY and
-    # QUEUE_TYPE change it, and HOLD_WINDOW adds the held levels (".H2").
-    topology = r"delay\.r\d+\.\d+ms\.L\d+(\.H\d+)?\.(classic|quorum)"
+    # QUEUE_TYPE change it, HOLD_WINDOW adds the held levels (".H2") and
+    # PRIORITIES the classic queues' priority levels (".P9").
+    topology = r"delay\.r\d+\.\d+ms\.L\d+(\.H\d+)?(\.P\d+)?\.(classic|quorum)"
     ingest = rf"{p}\.{topology}\.ingest"
     everything = (
         rf"{p}\.({topology}\.(ingest|after\.L\d+|L\d+\.d\d+)"
-        r"|(ready|hold)\.[A-Za-z0-9_-]+|failed|topologies|scheduler|schedules|cancels)"
+        r"|(ready|hold)\.(p\d\.)?[A-Za-z0-9_-]+|failed|topologies|scheduler|schedules|cancels|results)"
     )
     default = re.escape(DEFAULT_EXCHANGE)
     staging = rf"{p}\.transfer(\.out)?|amq\.gen-[A-Za-z0-9_-]+"
     if role == "publisher":
-        return Permissions(configure=NOTHING, write=f"^{ingest}$", read=NOTHING)
+        # Reading a result (deferred.result(), get_result()) consumes the results stream.
+        return Permissions(configure=NOTHING, write=f"^{ingest}$", read=rf"^{p}\.results$")
     if role == "worker":
         return Permissions(
             configure=NOTHING, write=f"^({ingest}|{default})$", read=f"^{everything}$"

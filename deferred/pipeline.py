@@ -14,7 +14,8 @@
    died goes back to its ready queue carrying its count, so that
    ``DELIVERY_LIMIT`` holds where the queue does not count;
 4. **never early**: a job that arrived before its due time goes back to wait;
-5. **run** the task, timed and traced;
+5. **run** the task, timed and traced, under its time limit
+   (:mod:`deferred.limits`);
 6. **retry or fail**: the retry policy decides; a retry is published through
    the delay queues, a failure stored in the failed queue, both confirmed
    before the worker acks;
@@ -22,33 +23,46 @@
 
 The worker (:mod:`deferred.worker`) owns the connection and the threads: it
 hands each delivery here and acks it once :meth:`Pipeline.process` returns.
-Two exceptions tell it not to: :class:`Released` (the delivering connection
+Three exceptions tell it not to: :class:`Released` (the delivering connection
 went while the job waited, so RabbitMQ already gave the message to another
-worker) and ``BrokerError`` (an outcome could not be made durable, so the
-message must go back). A third, :class:`Hold`, tells it to wait.
+worker), :class:`Abandoned` (the attempt ran past its hard time limit, and the
+worker settled it meanwhile: :meth:`Pipeline.timed_out`) and ``BrokerError``
+(an outcome could not be made durable, so the message must go back). A
+fourth, :class:`Hold`, tells it to wait.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
 from django.db import close_old_connections
 
 from deferred import failures, intake, signing, tracing
-from deferred.broker import BrokerError, BrokerUnavailable, Delivery, Outgoing, publisher
+from deferred.broker import (
+    BrokerError,
+    BrokerUnavailable,
+    Delivery,
+    Outgoing,
+    Written,
+    publisher,
+)
 from deferred.cancels import CancelWatch
 from deferred.conf import DeferredSettings
 from deferred.delays import capped_delay_ms
-from deferred.jobs import Job, utcnow
+from deferred.jobs import Job, body_level, utcnow
+from deferred.limits import TimeLimitExceeded, Watch, Watchdog
 from deferred.metrics import UNKNOWN as UNKNOWN_TASK_LABEL
 from deferred.outcomes import JOB_LINE, Observer, Outcome
 from deferred.publishing import publish
+from deferred.results import Recorder, keeps_result
 from deferred.retries import Decision
-from deferred.runnable import resolve
+from deferred.runnable import Runnable, resolve
 from deferred.tasks import UnknownTask, get_task
 from deferred.topology import Plan
 
@@ -69,6 +83,21 @@ CLOCK_SLACK_MS = 1000
 
 class Released(Exception):
     """The connection that delivered a job went while it waited: it is not ours any more."""
+
+
+class Abandoned(Exception):
+    """The attempt ended after its hard time limit: the worker settled the job already."""
+
+
+@dataclass(frozen=True)
+class Running:
+    """An attempt under way, as the watchdog keeps it: what settling it needs."""
+
+    job: Job
+    delivery: Delivery
+    task: Runnable
+    lateness_ms: float
+    started: float
 
 
 class Hold(Exception):
@@ -93,6 +122,8 @@ class Pipeline:
         holds: Callable[[Delivery], bool],
         observer: Observer,
         worker_id: str,
+        watchdog: Watchdog | None = None,
+        results: Recorder | None = None,
     ) -> None:
         self.settings = settings
         self.plan = plan
@@ -101,6 +132,12 @@ class Pipeline:
         self.holds = holds
         self.observer = observer
         self.worker_id = worker_id
+        #: Fires the attempts' time limits; without one, nothing is limited.
+        self.watchdog = watchdog
+        #: Writes each job's start and outcome to the results stream; ``None``: off.
+        self.results = results
+        #: Per thread: the message the last outcome's result record goes out in.
+        self._written = threading.local()
         #: Quorum queues count deliveries themselves (x-delivery-limit).
         self.count_redeliveries = settings.queue_type == "classic"
         #: Task names resolved here: the only task labels the metrics use.
@@ -141,6 +178,10 @@ class Pipeline:
         self._check_held(delivery)
         if cancelled:
             return self._log(job, _lateness_ms(job), Outcome.CANCELLED, 0.0)
+        # Read up to the same point: a later job of its key confirmed before
+        # this one came due replaces it (deferred.keys).
+        if job.key is not None and self.cancels.view.keys.is_superseded(job.id):
+            return self._log(job, _lateness_ms(job), Outcome.SUPERSEDED, 0.0, f"key={job.key!r}")
 
         if delivery.redelivered and self.count_redeliveries:
             outcome = self._count_redelivery(delivery, job)
@@ -165,23 +206,47 @@ class Pipeline:
                     f"reason=unknown_task occurrence={job.occurrence.isoformat()}",
                 )
             self._fail(job, delivery, failures.UNKNOWN_TASK, exc)
-            return self._log(job, lateness_ms, Outcome.FAILED, 0.0, "reason=unknown_task")
+            return self._log(
+                job,
+                lateness_ms,
+                Outcome.FAILED,
+                0.0,
+                "reason=unknown_task",
+                error=exc,
+                reason=failures.UNKNOWN_TASK,
+            )
 
         clock = time.monotonic()
         error: BaseException | None = None
+        value: Any = None
         self.observer.started()
+        if self.results is not None and keeps_result(job):
+            self.results.started(job, started)
+        watch = self._watch(job, delivery, task, lateness_ms, clock)
+        owned = True
         try:
             close_old_connections()
             with tracing.consumer_span(job, delivery.headers, job.queue, lateness_ms):
-                task.run(job, self.worker_id)
+                try:
+                    value = task.run(job, self.worker_id, watch=watch)
+                finally:
+                    # At once: a soft limit passing now must not reach the code below.
+                    if watch is not None:
+                        watch.finish()
         except BaseException as exc:  # noqa: BLE001 - any failure is retried or recorded
             error = exc
         finally:
-            close_old_connections()
-            self.observer.finished()
+            owned = watch is None or watch.finish()
+            if owned:  # else the job is the watchdog's: touch nothing of it
+                close_old_connections()
+                self.observer.finished()
+        if not owned:
+            raise Abandoned(job.id)
         duration_ms = (time.monotonic() - clock) * 1000
         if error is None:
-            return self._log(job, lateness_ms, Outcome.SUCCEEDED, duration_ms, ran=True)
+            return self._log(
+                job, lateness_ms, Outcome.SUCCEEDED, duration_ms, ran=True, value=value
+            )
         if self._cancelled_while_running(job):
             # Cancelled while it ran: it finished, and is neither retried nor kept as failed.
             return self._log(
@@ -191,8 +256,70 @@ class Pipeline:
                 duration_ms,
                 f"error={type(error).__name__}: {failures.describe(error)}",
                 ran=True,
+                error=error,
             )
 
+        timed_out = watch is not None and watch.fired
+        if timed_out:
+            self.observer.timed_out(self._label(job), job.queue, hard=False)
+        return self._retry_or_fail(
+            job, delivery, task, error, lateness_ms, duration_ms, timed_out=timed_out
+        )
+
+    def timed_out(self, watch: Watch) -> Outcome:
+        """Settle an attempt still running past its hard limit: retried as its policy
+        says, or kept as failed with the reason ``timed_out``.
+
+        Its thread cannot be stopped. The worker calls this once its other
+        jobs are done, acks the job and ends the process; what the thread
+        does meanwhile is ignored (:class:`Abandoned`).
+        """
+        run: Running = watch.context
+        self.observer.finished()
+        self.observer.timed_out(self._label(run.job), run.job.queue, hard=True)
+        error = TimeLimitExceeded(
+            f"still running {watch.grace_s:g} s after its time limit of {watch.limit_s:g} s; "
+            "its worker process was ended"
+        )
+        duration_ms = (time.monotonic() - run.started) * 1000
+        if run.job.id in self.cancels.view:
+            return self._log(
+                run.job,
+                run.lateness_ms,
+                Outcome.CANCELLED,
+                duration_ms,
+                "reason=timed_out",
+                ran=True,
+                error=error,
+            )
+        return self._retry_or_fail(
+            run.job, run.delivery, run.task, error, run.lateness_ms, duration_ms, timed_out=True
+        )
+
+    def _watch(
+        self, job: Job, delivery: Delivery, task: Runnable, lateness_ms: float, started: float
+    ) -> Watch | None:
+        """The time limit of this attempt, watched from now; ``None`` if it has none."""
+        if self.watchdog is None:
+            return None
+        return self.watchdog.watch(
+            task.time_limit(self.settings),
+            self.settings.time_limit_grace_s,
+            Running(job, delivery, task, lateness_ms, started),
+        )
+
+    def _retry_or_fail(
+        self,
+        job: Job,
+        delivery: Delivery,
+        task: Runnable,
+        error: BaseException,
+        lateness_ms: float,
+        duration_ms: float,
+        *,
+        timed_out: bool,
+    ) -> Outcome:
+        """A failed attempt: retried as the task's policy says, or kept as failed."""
         decision = task.retry_policy(self.settings).decide(error, job.attempt)
         if decision.retry:
             try:
@@ -200,14 +327,17 @@ class Pipeline:
             except (TypeError, ValueError) as bad_delay:  # e.g. Retry(delay=-1)
                 error = bad_delay
                 decision = Decision(False, reason=failures.TASK_ERROR)
-        self._fail(job, delivery, decision.reason, error)
+        reason = failures.TIMED_OUT if timed_out else decision.reason
+        self._fail(job, delivery, reason, error)
         return self._log(
             job,
             lateness_ms,
             Outcome.FAILED,
             duration_ms,
-            f"reason={decision.reason} error={type(error).__name__}: {failures.describe(error)}",
+            f"reason={reason} error={type(error).__name__}: {failures.describe(error)}",
             ran=True,
+            error=error,
+            reason=reason,
         )
 
     def read(self, delivery: Delivery) -> Job | None:
@@ -297,11 +427,29 @@ class Pipeline:
                         d.body,
                         job.id,
                         d.headers,
+                        d.priority,
                     )
                     for d, job in ours
                 ]
             )
         return [d for d, _ in ours]
+
+    def forward(
+        self, queue: str, body: bytes, message_id: str | None, headers: dict[str, Any]
+    ) -> None:
+        """Publish a message of a queue left from before PRIORITIES changed (FIFO, or
+        with priorities) to ``queue``, the queue that replaced it, as it came (body,
+        signature, counts), with the priority its job asks for; confirmed, so that
+        the caller may ack the old copy."""
+        # A body that is no job goes as it is: the worker of the new queue refuses it.
+        publisher(self.settings.broker_urls, self.settings.publish_timeout_s).publish(
+            "",
+            queue,
+            body,
+            message_id=message_id or "",
+            headers=headers,
+            priority=body_level(body),
+        )
 
     def _ready_for(self, queue: str) -> str:
         """The ready queue beside hold queue ``queue`` (``queue`` itself if it is none)."""
@@ -365,6 +513,7 @@ class Pipeline:
             duration_ms,
             f"retry_in_ms={wait_ms} error={type(error).__name__}: {failures.describe(error)}",
             ran=True,
+            error=error,
         )
 
     def _count_redelivery(self, delivery: Delivery, job: Job) -> Outcome | None:
@@ -386,7 +535,9 @@ class Pipeline:
             )
             self._fail(job, delivery, failures.DELIVERY_LIMIT, error)
             extra = f"reason=delivery_limit deliveries={count}"
-            return self._log(job, 0.0, Outcome.FAILED, 0.0, extra)
+            return self._log(
+                job, 0.0, Outcome.FAILED, 0.0, extra, error=error, reason=failures.DELIVERY_LIMIT
+            )
         publisher(self.settings.broker_urls, self.settings.publish_timeout_s).publish(
             "",
             delivery.queue,
@@ -398,6 +549,7 @@ class Pipeline:
                 **{k: v for k, v in delivery.headers.items() if k == signing.HEADER},
                 DELIVERIES_HEADER: count,
             },
+            priority=delivery.priority,
         )
         return self._log(job, _lateness_ms(job), Outcome.REQUEUED, 0.0, f"deliveries={count}")
 
@@ -432,9 +584,25 @@ class Pipeline:
         extra: str = "",
         *,
         ran: bool = False,
+        value: Any = None,
+        error: BaseException | None = None,
+        reason: str | None = None,
     ) -> Outcome:
-        """The job's log line, and its outcome told to the observers (with its timings
-        if it ran); returns ``outcome``."""
+        """The job's log line, its outcome told to the observers (with its timings if
+        it ran) and, if it ends an attempt, to the results stream; returns ``outcome``.
+
+        The job is to be acked only once its result record's message is settled
+        (:meth:`take_written`): a worker killed before that runs the job again,
+        and its outcome is written then. A record the broker could not take
+        within ``PUBLISH_TIMEOUT`` is lost, and the job is acked all the same:
+        running it twice is worse than a missing result, which reads as the
+        records before it ("running", or "pending") until ``RESULT_TTL``.
+        """
+        event = _RESULT_EVENTS.get(outcome)
+        if event is not None and self.results is not None and keeps_result(job):
+            self._written.message = self.results.ended(
+                job, event, utcnow(), value=value, error=error, reason=reason
+            )
         logger.log(
             outcome.level,
             JOB_LINE,
@@ -447,13 +615,24 @@ class Pipeline:
             f" {extra}" if extra else "",
         )
         self.observer.outcome(
-            job.task if self._knows(job) else UNKNOWN_TASK_LABEL,
+            self._label(job),
             job.queue,
             outcome,
             lateness_s=lateness_ms / 1000 if ran else None,
             duration_s=duration_ms / 1000 if ran else None,
         )
         return outcome
+
+    def take_written(self) -> Written | None:
+        """The result message of the outcome this thread settled last (``None``: none);
+        the caller acks the job once it is confirmed. Forgotten once taken."""
+        message: Written | None = getattr(self._written, "message", None)
+        self._written.message = None
+        return message
+
+    def _label(self, job: Job) -> str:
+        """``job.task`` if it names a task of this worker, else ``unknown`` (a bounded label)."""
+        return job.task if self._knows(job) else UNKNOWN_TASK_LABEL
 
     def _knows(self, job: Job) -> bool:
         """Whether ``job.task`` names a task of this worker (a bounded label)."""
@@ -473,6 +652,17 @@ class Pipeline:
             if queue.name == ready_queue:
                 return name
         return UNKNOWN_TASK_LABEL
+
+
+#: The outcomes a result records, as its events; the others leave the job pending.
+_RESULT_EVENTS = {
+    Outcome.SUCCEEDED: "succeeded",
+    Outcome.FAILED: "failed",
+    Outcome.RETRYING: "retrying",
+    Outcome.CANCELLED: "cancelled",
+    Outcome.SUPERSEDED: "superseded",
+    Outcome.DROPPED: "dropped",
+}
 
 
 def _lateness_ms(job: Job) -> float:

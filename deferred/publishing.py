@@ -19,12 +19,12 @@ from typing import Any
 
 from django.db import connections, transaction
 
-from deferred import broker, signing, tracing
+from deferred import broker, priorities, signing, tracing
 from deferred.conf import DeferredSettings, get_settings
 from deferred.delays import delay_ms
 from deferred.jobs import Job, new_job_id, utcnow
 from deferred.tasks import Task, get_task, publishers
-from deferred.topology import plan_topology
+from deferred.topology import CANCEL_ROUTING_KEY, plan_topology
 
 logger = logging.getLogger("deferred.publishing")
 
@@ -127,7 +127,17 @@ def prepare_built(
     body = job.encode() if body is None else body
     check_size(job, body, settings)
     commit = settings.on_commit if on_commit is None else on_commit
-    return Prepared(job, wait_ms, body, commit, tracing.producer_headers(job, wait_ms))
+    return Prepared(job, wait_ms, body, commit, _headers(job, wait_ms))
+
+
+def _headers(job: Job, wait_ms: int) -> dict[str, Any]:
+    """The headers a new job is published with: its trace context, and for a keyed
+    job the routing key that also puts a copy of it in the cancels stream
+    (``BCC``, which the broker removes on delivery; ``deferred.keys``)."""
+    headers: dict[str, Any] = dict(tracing.producer_headers(job, wait_ms))
+    if job.key is not None:
+        headers["BCC"] = [CANCEL_ROUTING_KEY]
+    return headers
 
 
 @dataclass(frozen=True)
@@ -138,8 +148,9 @@ class Prepared:
     wait_ms: int
     body: bytes
     on_commit: bool
-    #: The trace context of the ``defer`` span (deferred.tracing); empty without OpenTelemetry.
-    headers: Mapping[str, str] = field(default_factory=dict)
+    #: The trace context of the ``defer`` span (deferred.tracing), and a keyed job's
+    #: ``BCC`` (``_headers``); empty for a plain job without OpenTelemetry.
+    headers: Mapping[str, Any] = field(default_factory=dict)
 
 
 def prepare(
@@ -171,6 +182,8 @@ def prepare(
         due=due,
         queue=queue,
         created=now,
+        priority=resolved.target_priority,
+        key=resolved.options.key,
     )
     body = encode(job, settings)  # now, in the caller: arguments not JSON, or too big
     on_commit = resolved.options.on_commit
@@ -179,7 +192,7 @@ def prepare(
         wait_ms,
         body,
         settings.on_commit if on_commit is None else on_commit,
-        tracing.producer_headers(job, wait_ms),
+        _headers(job, wait_ms),
     )
 
 
@@ -273,6 +286,7 @@ def publish_prepared(prepared: list[Prepared], settings: DeferredSettings) -> No
                 p.body,
                 p.job.id,
                 {**p.headers, **signing.sign(p.body, settings.signing_keys)},
+                priorities.level(p.job.priority),
             )
             for p in prepared
         ]
@@ -343,7 +357,7 @@ def publish(
     *,
     settings: DeferredSettings | None = None,
     body: bytes | None = None,
-    headers: Mapping[str, str] | None = None,
+    headers: Mapping[str, Any] | None = None,
 ) -> None:
     """Publish ``job`` to wait ``wait_ms`` (already validated) in the current topology.
 
@@ -364,6 +378,7 @@ def publish(
         body,
         message_id=job.id,
         headers={**(headers or {}), **signing.sign(body, settings.signing_keys)},
+        priority=priorities.level(job.priority),
     )
 
 

@@ -10,15 +10,14 @@ same way.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from asgiref.sync import async_to_sync
 from django.core.exceptions import ImproperlyConfigured
 
 from deferred.context import running
 from deferred.jobs import Job
+from deferred.limits import Watch, run_async
 from deferred.tasks import Task, UnknownTask, get_task
 
 if TYPE_CHECKING:
@@ -29,15 +28,22 @@ if TYPE_CHECKING:
 class Runnable(Protocol):
     """A job's function, ready to run."""
 
-    def run(self, job: Job, worker_id: str, *, retries: bool = True) -> Any:
+    def run(
+        self, job: Job, worker_id: str, *, retries: bool = True, watch: Watch | None = None
+    ) -> Any:
         """Run one attempt of ``job``; raise what the function raised.
 
         ``retries`` says whether a failure of this attempt may be retried
-        (false in the test modes, which never retry).
+        (false in the test modes, which never retry). ``watch``: the
+        attempt's time limit, which an ``async def`` function's event loop
+        enforces (:func:`deferred.limits.run_async`).
         """
 
     def retry_policy(self, settings: DeferredSettings) -> RetryPolicy:
         """How failed attempts of this job are retried."""
+
+    def time_limit(self, settings: DeferredSettings) -> float | None:
+        """Seconds an attempt may run; ``None``: no limit."""
 
 
 @dataclass(frozen=True)
@@ -46,7 +52,9 @@ class RegisteredTask:
 
     task: Task[..., Any]
 
-    def run(self, job: Job, worker_id: str, *, retries: bool = True) -> Any:
+    def run(
+        self, job: Job, worker_id: str, *, retries: bool = True, watch: Watch | None = None
+    ) -> Any:
         """Call the function; an ``async def`` one is run to its end here.
 
         An event loop per job, made by ``async_to_sync`` from the job's
@@ -57,15 +65,14 @@ class RegisteredTask:
         with running(job):
             result = self.task.func(*job.args, **job.kwargs)
             if inspect.isawaitable(result):
-                return async_to_sync(_awaited)(result)
+                return run_async(result, watch)
             return result
 
     def retry_policy(self, settings: DeferredSettings) -> RetryPolicy:
         return self.task.retry_policy(settings)
 
-
-async def _awaited(awaitable: Awaitable[Any]) -> Any:
-    return await awaitable
+    def time_limit(self, settings: DeferredSettings) -> float | None:
+        return self.task.time_limit(settings)
 
 
 def resolve(job: Job) -> Runnable:

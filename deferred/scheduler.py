@@ -294,6 +294,7 @@ def occurrence_job(occurrence: Occurrence, settings: DeferredSettings) -> Job:
         queue=queue,
         created=utcnow(),
         occurrence=occurrence.at,
+        priority=task.priority if task else 0,
     )
 
 

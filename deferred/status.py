@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from django.template.defaultfilters import pluralize
+
 from deferred import broker, cluster
 from deferred.cancels import read_cancels
 from deferred.cluster import ClusterView
@@ -196,6 +198,18 @@ class Snapshot:
     schedules: Overview | None = None
     #: Cancels in force (jobs that will be dropped when due); ``None`` when not read.
     cancels: int | None = None
+    #: Debounce keys in force (``deferred.keys``), and the superseded jobs still
+    #: remembered (each dropped when it comes due); ``None`` when not read.
+    keys: int | None = None
+    superseded: int | None = None
+    #: Why the cancels stream could not be read, when it exists and could not.
+    cancels_error: str | None = None
+    #: Whether workers write results (``RESULTS``), and for how long the stream keeps them.
+    results: bool = True
+    result_ttl_ms: int = 0
+    #: Messages in the results stream (each holds the records of one write, of one or
+    #: more jobs); ``None`` when the stream does not exist or was not read.
+    result_messages: int | None = None
 
     @property
     def pending(self) -> int:
@@ -245,6 +259,14 @@ class Snapshot:
             "cluster": None if self.cluster is None else self.cluster.to_dict(),
             "schedules": None if self.schedules is None else self.schedules.to_dict(),
             "cancels_in_force": self.cancels,
+            "keys_in_force": self.keys,
+            "superseded_pending": self.superseded,
+            "cancels_error": self.cancels_error,
+            "results": {
+                "enabled": self.results,
+                "ttl_s": self.result_ttl_ms // 1000,
+                "stream_messages": self.result_messages,
+            },
         }
 
 
@@ -395,6 +417,7 @@ def collect(settings: DeferredSettings, *, read_failed: bool = True) -> Status:
             with admin.take_all(plan.failed_queue.name) as (_channel, taken):
                 failed_jobs = [parse_failed(t.body, t.headers, t.message_id) for t in taken]
         has_cancels = admin.queue_exists(plan.cancels_queue.name)
+        kept = admin.stream_span(plan.results_queue.name)
         schedules = None
         if scheduled_tasks(settings) and admin.queue_exists(plan.schedules_queue.name):
 
@@ -431,10 +454,27 @@ def collect(settings: DeferredSettings, *, read_failed: bool = True) -> Status:
         taken_at=datetime.now(UTC),
         cluster=view,
     )
-    cancels = read_cancels(settings) if has_cancels else None
+    cancels = None
+    cancels_error = None
+    if has_cancels:
+        try:
+            cancels = read_cancels(settings)
+        except broker.BrokerError as exc:
+            # Everything else is known: say so, rather than fail the whole status
+            # (a cluster's stream coordinator may be unavailable for a while
+            # after nodes restarted; the workers wait for it too).
+            cancels_error = str(exc)
     return Status(
         dataclasses.replace(
-            snapshot, schedules=schedules, cancels=None if cancels is None else len(cancels)
+            snapshot,
+            schedules=schedules,
+            cancels=None if cancels is None else len(cancels),
+            keys=None if cancels is None else len(cancels.keys),
+            superseded=None if cancels is None else cancels.keys.superseded,
+            cancels_error=cancels_error,
+            results=settings.results,
+            result_ttl_ms=settings.result_ttl_ms,
+            result_messages=kept,
         ),
         failed_jobs,
         frozenset(
@@ -508,11 +548,11 @@ def render_text(snapshot: Snapshot) -> str:
         if topology.pending is None:
             lines[-1] += f"not on the broker ({NOT_DECLARED_HINT})"
             continue
-        lines[-1] += f"{topology.pending} job(s) pending"
+        lines[-1] += f"{topology.pending} job{pluralize(topology.pending)} pending"
         for level in topology.levels:
             if level.jobs and level.longest_wait_ms is not None:
                 lines.append(
-                    f"  L{level.level:02d}  {level.jobs:>7} job(s), "
+                    f"  L{level.level:02d}  {level.jobs:>7} job{pluralize(level.jobs)}, "
                     f"due within {format_duration(level.longest_wait_ms)}"
                 )
     lines += ["", "pending jobs by how long they can still wait:"]
@@ -538,7 +578,30 @@ def render_text(snapshot: Snapshot) -> str:
         lines += ["", *render_schedules(snapshot.schedules)]
     if snapshot.cancels is not None:
         lines += ["", f"cancels in force: {snapshot.cancels}"]
+    elif snapshot.cancels_error is not None:
+        lines += ["", f"cancels in force: unknown ({snapshot.cancels_error})"]
+    if snapshot.keys is not None:
+        lines += [
+            f"debounce keys in force: {snapshot.keys} "
+            f"({snapshot.superseded} superseded job{pluralize(snapshot.superseded)} remembered, "
+            "each dropped when it comes due)"
+        ]
+    lines += ["", render_results(snapshot)]
     return "\n".join(lines)
+
+
+def render_results(snapshot: Snapshot) -> str:
+    """One line: whether results are written, how long they are kept, how many."""
+    if not snapshot.results:
+        return "results: off (DEFERRED['RESULTS'] is False)"
+    ttl = format_duration(snapshot.result_ttl_ms)
+    if snapshot.result_messages is None:
+        return f"results: kept for {ttl}; the results stream is not declared yet"
+    return (
+        f"results: kept for {ttl}; about {snapshot.result_messages} "
+        f"message{pluralize(snapshot.result_messages)} of result records "
+        "in the stream"
+    )
 
 
 def render_schedules(seen: Overview) -> list[str]:
@@ -581,7 +644,8 @@ def render_cluster(view: ClusterView, *, quorum: bool = True) -> list[str]:
         lines.append("stuck dead-letters: none")
     for stuck in view.stuck or ():
         lines.append(
-            f"STUCK: {stuck.jobs} dead-lettered job(s) in {stuck.queue} have not moved for "
+            f"STUCK: {stuck.jobs} dead-lettered job{pluralize(stuck.jobs)} in {stuck.queue} "
+            f"{pluralize(stuck.jobs, 'has,have')} not moved for "
             f"{stuck.for_s:.0f} s (leader {stuck.leader}): run `python manage.py deferred_repair`"
         )
     return lines

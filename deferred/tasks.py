@@ -15,6 +15,9 @@ from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar, overload
 
+from deferred.keys import validate_key
+from deferred.limits import parse_time_limit
+from deferred.priorities import validate_priority
 from deferred.retries import (
     Backoff,
     RetryPolicy,
@@ -26,6 +29,9 @@ from deferred.retries import (
 if TYPE_CHECKING:
     from deferred.conf import DeferredSettings
     from deferred.schedule import Schedule
+
+#: ``@task(time_limit=...)`` not given: the task follows DEFERRED['TIME_LIMIT'].
+SETTING: Any = type("Setting", (), {"__repr__": lambda self: "SETTING"})()
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -59,6 +65,11 @@ class Options:
     queue: str | None = None
     #: Publish after the surrounding transaction commits (``None``: DEFERRED['ON_COMMIT']).
     on_commit: bool | None = None
+    #: -100 to 100, higher runs first (``None``: the task's own).
+    priority: int | None = None
+    #: The debounce key: of the jobs deferred with it, only the latest runs
+    #: (``deferred.keys``); ``None``: the job stands alone.
+    key: str | None = None
 
 
 class Task(Generic[P, R]):
@@ -76,6 +87,9 @@ class Task(Generic[P, R]):
         retry_for: tuple[type[BaseException], ...] = (Exception,),
         dont_retry_for: tuple[type[BaseException], ...] = (),
         schedule: Schedule | None = None,
+        time_limit_s: float | None = SETTING,
+        priority: int = 0,
+        result: bool = True,
     ) -> None:
         self.func = func
         self.name = name
@@ -89,6 +103,12 @@ class Task(Generic[P, R]):
         self.dont_retry_for = dont_retry_for
         #: When the task runs by itself (``@task(schedule=every(...) | cron(...))``).
         self.schedule = schedule
+        #: Seconds an attempt may run (``None``: no limit; ``SETTING``: DEFERRED['TIME_LIMIT']).
+        self.time_limit_s = time_limit_s
+        #: -100 to 100, higher runs first among due jobs (``deferred.priorities``).
+        self.priority = priority
+        #: Whether workers record this task's results (``deferred.results``).
+        self.result = result
         self.__wrapped__ = func
         self.__doc__ = func.__doc__
         self.__name__ = getattr(func, "__name__", name)
@@ -101,18 +121,33 @@ class Task(Generic[P, R]):
     def __repr__(self) -> str:
         return f"<Task {self.name}>"
 
-    def using(self, *, queue: str | None = None, on_commit: bool | None = None) -> Task[P, R]:
+    def using(
+        self,
+        *,
+        queue: str | None = None,
+        on_commit: bool | None = None,
+        priority: int | None = None,
+        key: str | None = None,
+    ) -> Task[P, R]:
         """A copy of this task with per-call options, e.g. ``t.using(queue="bulk").defer(5)``.
 
         ``on_commit=False`` publishes at once even inside ``transaction.atomic()``.
+        ``priority`` (-100 to 100) overrides the task's for these calls.
+        ``key`` debounces: of all jobs deferred with the same key, only the
+        latest runs; the earlier ones are dropped as ``superseded`` when they
+        come due (``deferred.keys`` states the guarantee).
         Options never travel in ``**kwargs``, so a task may have arguments
-        called ``queue`` or ``on_commit`` of its own.
+        called ``queue``, ``on_commit``, ``priority`` or ``key`` of its own.
         """
         changes: dict[str, Any] = {}
         if queue is not None:
             changes["queue"] = queue
         if on_commit is not None:
             changes["on_commit"] = on_commit
+        if priority is not None:
+            changes["priority"] = validate_priority(priority)
+        if key is not None:
+            changes["key"] = validate_key(key)
         options = dataclasses.replace(self.options, **changes)
         clone = copy.copy(self)
         clone.options = options
@@ -127,6 +162,10 @@ class Task(Generic[P, R]):
             dont_retry_for=self.dont_retry_for,
         )
 
+    def time_limit(self, settings: DeferredSettings) -> float | None:
+        """Seconds an attempt may run before TimeLimitExceeded; ``None``: no limit."""
+        return settings.time_limit_s if self.time_limit_s is SETTING else self.time_limit_s
+
     def defer(
         self, delay: int | float | timedelta | datetime, /, *args: P.args, **kwargs: P.kwargs
     ) -> str:
@@ -140,6 +179,11 @@ class Task(Generic[P, R]):
         """Shorthand for ``await deferred.adefer(self, delay, *args, **kwargs)``."""
         job_id: str = await publishers["adefer"](self, delay, *args, **kwargs)
         return job_id
+
+    @property
+    def target_priority(self) -> int:
+        """The priority of this call: ``using(priority=...)``, else the task's."""
+        return self.priority if self.options.priority is None else self.options.priority
 
     @property
     def target_queue(self) -> str | None:
@@ -191,6 +235,9 @@ def task(
     retry_for: Any = (Exception,),
     dont_retry_for: Any = (),
     schedule: Schedule | None = None,
+    time_limit: float | timedelta | None = SETTING,
+    priority: int = 0,
+    result: bool = True,
 ) -> Callable[[Callable[P, R]], Task[P, R]]: ...
 
 
@@ -205,6 +252,9 @@ def task(
     retry_for: Any = (Exception,),
     dont_retry_for: Any = (),
     schedule: Schedule | None = None,
+    time_limit: float | timedelta | None = SETTING,
+    priority: int = 0,
+    result: bool = True,
 ) -> Task[P, R] | Callable[[Callable[P, R]], Task[P, R]]:
     """Register a function as a task: ``@task`` or ``@task(name=..., queue=..., ...)``.
 
@@ -220,7 +270,24 @@ def task(
     run it at each occurrence, once (see :mod:`deferred.scheduler`). A
     scheduled task is called with no arguments; it can still be deferred by
     hand with arguments it accepts.
+
+    ``time_limit`` (seconds or a ``timedelta``; ``None``: none; default
+    DEFERRED['TIME_LIMIT']): how long one attempt may run before
+    ``deferred.TimeLimitExceeded`` is raised in it (see :mod:`deferred.limits`).
+
+    ``priority`` (-100 to 100, default 0): among jobs that are due, higher
+    runs first (see :mod:`deferred.priorities`); ``using(priority=...)``
+    overrides it per call.
+
+    ``result`` (default ``True``): whether workers record the task's start
+    and outcome for ``deferred.result(job_id)`` (see :mod:`deferred.results`);
+    ``False`` for a task whose results nobody reads, or whose return value
+    must not be kept.
     """
+    if not isinstance(result, bool):
+        raise TypeError(f"@task(result=...) takes True or False, not {result!r}.")
+    limit_s = time_limit if time_limit is SETTING else parse_time_limit(time_limit)
+    validate_priority(priority)
     policy_max = None if max_retries is None else validate_max_retries(max_retries)
     policy_backoff = None if retry_backoff is None else parse_backoff(retry_backoff)
     policy_for = validate_exception_types("retry_for", retry_for)
@@ -268,6 +335,9 @@ def task(
             retry_for=policy_for,
             dont_retry_for=policy_not_for,
             schedule=schedule,
+            time_limit_s=limit_s,
+            priority=priority,
+            result=result,
         )
         _registry[task_name] = registered
         return registered

@@ -64,6 +64,13 @@ class CapturedJobs(list[Job]):
             raise TypeError(f"for_task() takes a task or a task name, not {task!r}.")
         return [job for job in self if job.task == name]
 
+    def take(self, job: Job) -> None:
+        """Capture ``job``; a keyed one supersedes the captured jobs of its key
+        (what the worker does with them when they come due: ``deferred.keys``)."""
+        if job.key is not None:
+            self[:] = [other for other in self if other.key != job.key]
+        self.append(job)
+
     def cancel(self, ids: list[str]) -> None:
         """Drop the jobs ``ids`` names (what ``deferred.cancel()`` does in this mode)."""
         gone = set(ids)
@@ -82,7 +89,7 @@ class CapturedJobs(list[Job]):
             cancelled.update(ids)
             self.cancel(ids)
 
-        with _intercepting(lambda job, wait_ms: self.append(job), cancel):
+        with _intercepting(lambda job, wait_ms: self.take(job), cancel):
             for _ in range(max_rounds):
                 if not self:
                     return
@@ -131,7 +138,7 @@ def _intercepting(
 def capture() -> Iterator[CapturedJobs]:
     """Record deferred jobs instead of publishing them."""
     jobs = CapturedJobs()
-    with _intercepting(lambda job, wait_ms: jobs.append(job), jobs.cancel):
+    with _intercepting(lambda job, wait_ms: jobs.take(job), jobs.cancel):
         yield jobs
 
 

@@ -43,12 +43,16 @@ from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from typing import Any, Protocol
 
+from deferred.priorities import MAX_LEVEL
+
 #: RabbitMQ refuses an ``x-message-ttl`` above this many milliseconds (10 years).
 MAX_TTL_MS = 315_360_000_000
 #: AMQP 0-9-1 routing keys are short strings: at most 255 bytes.
 MAX_ROUTING_KEY_BYTES = 255
 #: How long a cancel stays in force after its job was due, by default (DEFERRED['CANCEL_MARGIN']).
 CANCEL_MARGIN_MS = 7 * 24 * 3600 * 1000
+#: How long the results stream keeps a result, by default (DEFERRED['RESULT_TTL']): a day.
+RESULT_TTL_MS = 24 * 3600 * 1000
 #: The cancels stream's segment size: about 100,000 cancels.
 STREAM_SEGMENT_BYTES = 16_000_000
 
@@ -115,8 +119,33 @@ class Plan:
     schedules_queue: Queue
     #: Cancelled job ids (deferred.cancels): a stream every worker reads from the start.
     cancels_queue: Queue
+    #: Jobs' starts and outcomes (deferred.results): a stream read by timestamp.
+    results_queue: Queue
     #: The lowest levels left to the workers (``HOLD_WINDOW``): not declared.
     hold_levels: int = 0
+    #: The classic ready and hold queues' ``x-max-priority`` (0: FIFO queues).
+    max_priority: int = 0
+
+    @property
+    def legacy_queues(self) -> tuple[dict[str, str], dict[str, str]]:
+        """The classic ready and hold queues (by target name) that older topologies of
+        this prefix may still deliver to, when this one has others: the FIFO ones when
+        this topology has priorities, the ``p9`` ones when ``PRIORITIES`` was turned
+        off. Workers drain them too, as long as they exist."""
+        if self.queue_type != "classic":
+            return {}, {}
+        other = 0 if self.max_priority else MAX_LEVEL
+        return (
+            {q: _ready_name(self.prefix, "ready", q, other) for q in self.ready_queues},
+            {q: _ready_name(self.prefix, "hold", q, other) for q in self.hold_queues},
+        )
+
+    @property
+    def legacy_label(self) -> str:
+        """What :attr:`legacy_queues` are, for listings and logs."""
+        if self.max_priority:
+            return "FIFO ready and hold queues (before PRIORITIES)"
+        return "priority ready and hold queues (before PRIORITIES was turned off)"
 
     @property
     def window_ms(self) -> int:
@@ -140,7 +169,13 @@ class Plan:
             self.scheduler_queue,
             self.schedules_queue,
             self.cancels_queue,
+            self.results_queue,
         )
+
+    @property
+    def streams(self) -> tuple[Queue, ...]:
+        """The queues that are streams: the cancels and the results."""
+        return (self.cancels_queue, self.results_queue)
 
     @property
     def shared_bindings(self) -> tuple[Binding, ...]:
@@ -203,6 +238,7 @@ class Plan:
             "levels": self.levels,
             "hold_levels": self.hold_levels,
             "window_ms": self.window_ms,
+            "max_priority": self.max_priority,
             "max_delay_ms": self.max_delay_ms,
             "queue_type": self.queue_type,
             "ingest_exchange": self.ingest_exchange,
@@ -222,6 +258,7 @@ class Plan:
                 "max_delay_ms": self.max_delay_ms,
                 "queue_type": self.queue_type,
                 "hold_levels": self.hold_levels,
+                "max_priority": self.max_priority,
             },
             sort_keys=True,
         )
@@ -236,6 +273,7 @@ def widest_plan(
     queue_type: str,
     queues: tuple[str, ...] | list[str],
     hold_levels: int = 0,
+    max_priority: int = 0,
 ) -> Plan:
     """Every queue a topology of this shape may have, whatever MAX_DELAY it was declared with.
 
@@ -252,6 +290,7 @@ def widest_plan(
         queues=queues,
         levels=levels,
         hold_levels=hold_levels,
+        max_priority=max_priority,
     )
 
 
@@ -270,6 +309,8 @@ def recorded_plan(record: Mapping[str, Any], *, prefix: str, queues: tuple[str, 
         queues=queues,
         # Recorded before the last mile: every level declared.
         hold_levels=int(record.get("hold_levels", 0)),
+        # Recorded before priorities: FIFO ready queues.
+        max_priority=int(record.get("max_priority", 0)),
     )
 
 
@@ -403,6 +444,10 @@ class TopologySettings(Protocol):
     def cancel_margin_ms(self) -> int: ...
     @property
     def hold_window_ms(self) -> int: ...
+    @property
+    def priorities(self) -> bool: ...
+    @property
+    def result_ttl_ms(self) -> int: ...
     def __hash__(self) -> int: ...
 
 
@@ -421,6 +466,15 @@ def plan_topology(settings: TopologySettings) -> Plan:
         group_size=settings.quorum_group_size,
         cancel_margin_ms=settings.cancel_margin_ms,
         hold_window_ms=settings.hold_window_ms,
+        max_priority=MAX_LEVEL if settings.priorities else 0,
+        result_ttl_ms=settings.result_ttl_ms,
+    )
+
+
+def _ready_name(prefix: str, kind: str, queue: str, max_priority: int) -> str:
+    """``<prefix>.ready.<queue>``, or ``<prefix>.ready.p9.<queue>`` with priorities."""
+    return (
+        f"{prefix}.{kind}.p{max_priority}.{queue}" if max_priority else f"{prefix}.{kind}.{queue}"
     )
 
 
@@ -436,6 +490,8 @@ def hold_levels_for(window_ms: int, radix: int, resolution_ms: int, levels: int)
 
 #: The routing key of a cancel, on the ingest exchange.
 CANCEL_ROUTING_KEY = "cancel"
+#: The routing key of result records and the readers' markers, on the ingest exchange.
+RESULT_ROUTING_KEY = "result"
 
 
 def build_plan(
@@ -453,12 +509,22 @@ def build_plan(
     cancel_margin_ms: int = CANCEL_MARGIN_MS,
     hold_window_ms: int = 0,
     hold_levels: int | None = None,
+    max_priority: int = 0,
+    result_ttl_ms: int = RESULT_TTL_MS,
 ) -> Plan:
     """Compute a topology from its defining values.
 
     ``levels`` is derived from ``max_delay_ms`` unless given, and
     ``hold_levels`` from ``hold_window_ms``: an old topology recorded in the
     registry is rebuilt from what it was declared with.
+
+    ``max_priority``: classic ready and hold queues take ``x-max-priority``.
+    A queue's arguments cannot change, so they get names of their own
+    (``<prefix>.ready.p9.<queue>``) and the topology an id of its own
+    (``....P9.classic``): the older topologies keep delivering into the FIFO
+    queues, whose messages the workers forward to the new ones
+    (:attr:`Plan.legacy_queues`). Quorum queues order by priority with no
+    argument (RabbitMQ 4.0+), so nothing changes for them.
     """
     if radix < 2:
         raise TopologyError(f"The radix must be at least 2, got {radix}.")
@@ -483,7 +549,12 @@ def build_plan(
     # The hold word, after the declared digits: any value on the way, "0" into
     # the ready queue, "1" into the hold queue. None without held levels.
     on_the_way, to_ready, to_hold = (["*"], ["0"], ["1"]) if held else ([], [], [])
-    topology_id = f"r{radix}.{resolution_ms}ms.L{levels}{f'.H{held}' if held else ''}.{queue_type}"
+    if queue_type != "classic":
+        max_priority = 0
+    if not 0 <= max_priority <= MAX_LEVEL:
+        raise TopologyError(f"max_priority must be from 0 to {MAX_LEVEL}, got {max_priority}.")
+    marks = f"{f'.H{held}' if held else ''}{f'.P{max_priority}' if max_priority else ''}"
+    topology_id = f"r{radix}.{resolution_ms}ms.L{levels}{marks}.{queue_type}"
     base = f"{prefix}.delay.{topology_id}"
     ingest = f"{base}.ingest"
     failed = f"{prefix}.failed"
@@ -545,23 +616,20 @@ def build_plan(
     # which has levels + 1 words, matches it), so a user that may publish
     # there may cancel, and needs no right on the default exchange.
     bindings.append(Binding(ingest, f"{prefix}.cancels", CANCEL_ROUTING_KEY))
+    # Results the same way: a web process reading one writes a marker there.
+    bindings.append(Binding(ingest, f"{prefix}.results", RESULT_ROUTING_KEY))
     # No digit left: to the ready queue named by the last word.
+    ready_args = _ready_queue_arguments(
+        queue_type, group_size, failed, delivery_limit, consumer_timeout_ms
+    )
+    if max_priority:
+        ready_args["x-max-priority"] = max_priority
     ready_queues = {
-        name: Queue(
-            f"{prefix}.ready.{name}",
-            _ready_queue_arguments(
-                queue_type, group_size, failed, delivery_limit, consumer_timeout_ms
-            ),
-        )
+        name: Queue(_ready_name(prefix, "ready", name, max_priority), dict(ready_args))
         for name in queues
     }
     hold_queues = {
-        name: Queue(
-            f"{prefix}.hold.{name}",
-            _ready_queue_arguments(
-                queue_type, group_size, failed, delivery_limit, consumer_timeout_ms
-            ),
-        )
+        name: Queue(_ready_name(prefix, "hold", name, max_priority), dict(ready_args))
         for name in queues
     }
     # With held levels, "1" in the hold word: to the hold queue instead.
@@ -589,6 +657,7 @@ def build_plan(
         ready_queues=ready_queues,
         hold_queues=hold_queues,
         hold_levels=held,
+        max_priority=max_priority,
         failed_queue=Queue(failed, _kept_queue_arguments(queue_type, group_size)),
         failed_exchange=Exchange(failed, "fanout"),
         registry_queue=Queue(f"{prefix}.topologies", _kept_queue_arguments(queue_type, group_size)),
@@ -600,5 +669,8 @@ def build_plan(
         cancels_queue=Queue(
             f"{prefix}.cancels",
             _stream_arguments(queue_type, group_size, max_delay_ms + cancel_margin_ms),
+        ),
+        results_queue=Queue(
+            f"{prefix}.results", _stream_arguments(queue_type, group_size, result_ttl_ms)
         ),
     )

@@ -1,6 +1,6 @@
 """OpenTelemetry: one trace from ``defer()`` to the worker that runs the job.
 
-Only when ``opentelemetry-api`` is installed (``django-deferred[otel]``);
+Only when ``opentelemetry-api`` is installed (the ``otel`` extra);
 without it every function here does nothing, and nothing is imported but
 the failed attempt, once. The application picks the SDK and exporter, as
 OpenTelemetry intends for libraries.

@@ -82,7 +82,7 @@ from deferred.broker.transfer import (
 )
 from deferred.conf import DeferredSettings
 from deferred.failures import REASON_HEADER, parse_failed
-from deferred.jobs import new_job_id, utcnow
+from deferred.jobs import body_level, new_job_id, utcnow
 from deferred.scheduler import PEEK_ATTEMPTS, PEEK_RETRY_S, signed_bodies
 from deferred.scheduler import Records as ScheduleRecords
 from deferred.scheduler import read as read_schedules
@@ -477,6 +477,7 @@ class Transfer:
             message.body,
             message.message_id or key,
             headers,
+            body_level(message.body),
         )
 
     def _count(self, moved: list[Staged]) -> None:

@@ -122,10 +122,19 @@ def source_queues(plan: Plan, records: Iterable[Mapping[str, Any]]) -> list[Sour
         recorded_plan(r, prefix=plan.prefix, queues=tuple(plan.ready_queues)) for r in records
     ]
     delay = {q.name: q.ttl_ms or 0 for p in plans for q in p.delay_queues}
+    # Every topology's ready and hold queues: those of the other PRIORITIES setting
+    # too (dict keys: each once, the current ones first).
+    legacy_ready, legacy_hold = plan.legacy_queues
+    ready = dict.fromkeys(
+        [*(q.name for p in plans for q in p.ready_queues.values()), *legacy_ready.values()]
+    )
+    hold = dict.fromkeys(
+        [*(q.name for p in plans for q in p.hold_queues.values()), *legacy_hold.values()]
+    )
     return [
-        *(SourceQueue(q.name, JOB, ready=True) for q in plan.ready_queues.values()),
+        *(SourceQueue(name, JOB, ready=True) for name in ready),
         # Due within the hold window, or held by a worker (taken once it lets go).
-        *(SourceQueue(q.name, JOB, ready=True, hold=True) for q in plan.hold_queues.values()),
+        *(SourceQueue(name, JOB, ready=True, hold=True) for name in hold),
         *(SourceQueue(name, JOB) for name in sorted(delay, key=lambda n: (delay[n], n))),
         SourceQueue(plan.failed_queue.name, FAILED),
     ]
@@ -146,11 +155,16 @@ def flow_order(queues: list[SourceQueue]) -> list[SourceQueue]:
 
 
 def in_force(body: bytes, margin_s: float, now: float) -> bool:
-    """Whether a cancel record still cancels something (a record not readable: no)."""
+    """Whether a record of the cancels stream still matters (a record not readable: no):
+    a cancel that still cancels something, or a keyed job (``deferred.keys``) that can
+    still come due, and supersede or be superseded."""
     try:
-        ids, at = cancels.decode(body)
+        record = cancels.decode_record(body)
     except ValueError:
         return False
+    if isinstance(record, Job):
+        return record.first_due.timestamp() + margin_s > now
+    ids, at = record
     return any(cancels.expires(job_id, at, margin_s) > now for job_id in ids)
 
 

@@ -2,7 +2,8 @@
 
 It reads the broker on every request (a passive declare per queue: tens of
 milliseconds, plus one read of the cancels stream) and stores nothing: the
-app has no models. Retry, cancel and purge are POST forms with CSRF
+app has no models. ``?job=ID`` also looks that job's result up in the results
+stream (a read of a few milliseconds). Retry, cancel and purge are POST forms with CSRF
 protection, and a purge asks for confirmation on a page of its own, so neither
 a prefetching browser nor a stray click removes a job.
 The page extends the admin's templates and needs ``django.contrib.admin``
@@ -12,6 +13,7 @@ The page extends the admin's templates and needs ``django.contrib.admin``
 from __future__ import annotations
 
 import ipaddress
+import json
 from typing import Any
 
 from django.contrib import admin, messages
@@ -19,11 +21,12 @@ from django.contrib.admin.views.decorators import staff_member_required
 from django.http import Http404, HttpRequest, HttpResponse, HttpResponseNotAllowed
 from django.shortcuts import redirect, render
 from django.utils.crypto import constant_time_compare
+from django.utils.translation import ngettext
 from django.views.decorators.cache import never_cache
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_GET, require_POST
 
-from deferred import cancels, failures, status
+from deferred import cancels, failures, results, status
 from deferred.broker import BrokerError
 from deferred.conf import get_settings
 from deferred.metrics import MetricsError
@@ -92,8 +95,32 @@ def status_page(request: HttpRequest) -> HttpResponse:
         old_topologies=snapshot.topologies[1:],
         consumers=sum(q.consumers or 0 for q in snapshot.queues),
         cluster_nodes=_cluster_nodes(snapshot),
+        result_ttl=status.format_duration(snapshot.result_ttl_ms),
+        **_looked_up(request),
     )
     return render(request, "deferred/status.html", context)
+
+
+def _looked_up(request: HttpRequest) -> dict[str, Any]:
+    """``?job=ID``: that job's result for the page (or why there is none)."""
+    job_id = request.GET.get("job", "").strip()
+    if not job_id:
+        return {}
+    try:
+        found = results.result(job_id)
+    except ValueError:
+        # Not an id defer() makes, or one whose time is out of range (year 10889):
+        # one message for both, rather than the datetime module's.
+        return {
+            "lookup_id": job_id,
+            "lookup_error": f"{job_id!r} is not a job id (defer() returns one).",
+        }
+    except BrokerError as exc:
+        return {"lookup_id": job_id, "lookup_error": f"The results cannot be read: {exc}"}
+    value = None
+    if found.state == results.SUCCEEDED and found.value_kept:
+        value = json.dumps(found.value, indent=2, sort_keys=True)
+    return {"lookup_id": job_id, "lookup": found, "lookup_value": value}
 
 
 def _cluster_nodes(snapshot: status.Snapshot) -> list[dict[str, Any]]:
@@ -121,7 +148,9 @@ def _chosen(request: HttpRequest) -> list[str] | None:
 
 def _report(request: HttpRequest, outcome: failures.Outcome, verb: str) -> None:
     if outcome.done:
-        messages.success(request, f"{len(outcome.done)} failed job(s) {verb}.", fail_silently=True)
+        done = len(outcome.done)
+        text = ngettext("%(n)d failed job %(verb)s.", "%(n)d failed jobs %(verb)s.", done)
+        messages.success(request, text % {"n": done, "verb": verb}, fail_silently=True)
     for job_id, why in outcome.skipped:
         messages.warning(request, f"Skipped {job_id}: {why}.", fail_silently=True)
     if outcome.missing:
@@ -202,7 +231,12 @@ def cancel(request: HttpRequest) -> HttpResponse:
     else:
         messages.success(
             request,
-            f"{len(ids)} job(s) cancelled: workers drop them when they come due.",
+            ngettext(
+                "%(n)d job cancelled: workers drop it when it comes due.",
+                "%(n)d jobs cancelled: workers drop them when they come due.",
+                len(ids),
+            )
+            % {"n": len(ids)},
             fail_silently=True,
         )
     return redirect("deferred:status")

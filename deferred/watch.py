@@ -25,6 +25,8 @@ import random
 import threading
 import time
 
+from django.template.defaultfilters import pluralize
+
 from deferred import repair
 from deferred.conf import DeferredSettings
 from deferred.http_api import ManagementAPI
@@ -93,10 +95,11 @@ class StuckWatch:
         ]
         for s in self.episodes.new(stuck):
             logger.error(
-                "%d job(s) stuck in quorum queue %s: dead-lettered and not forwarded for "
+                "%d job%s stuck in quorum queue %s: dead-lettered and not forwarded for "
                 "%.0f s (a RabbitMQ bug after a leader change; leader %s). A leader election "
                 "releases them: `python manage.py deferred_repair`, or run: %s",
                 s.jobs,
+                pluralize(s.jobs),
                 s.queue,
                 s.for_s,
                 s.leader,
@@ -113,10 +116,11 @@ class StuckWatch:
             self._quiet_until[s.queue] = now + self.settings.stuck_after_s + STATS_LAG_S
             if result.done:
                 logger.warning(
-                    "Forced a leader election of %s (%s) to release %d stuck job(s)%s.",
+                    "Forced a leader election of %s (%s) to release %d stuck job%s%s.",
                     s.queue,
                     result.method,
                     s.jobs,
+                    pluralize(s.jobs),
                     f"; but {result.problem}" if result.problem else "",
                 )
             else:

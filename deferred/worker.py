@@ -23,6 +23,13 @@ Cancels: a reader thread follows the cancels stream (deferred.cancels); a
 job found there is acked without running (``outcome=cancelled``), and a job
 cancelled while it ran is not retried.
 
+Time limits (:mod:`deferred.limits`): a watchdog raises
+``TimeLimitExceeded`` in a job that runs past its limit; one still running
+``TIME_LIMIT_GRACE`` later is settled by the worker (retried or failed as
+``timed_out``, then acked), its thread given up, and the worker stops with
+:attr:`Worker.exit_status` ``TIMED_OUT`` for a fresh process to replace it.
+Recycling (:mod:`deferred.recycling`) stops it the same way, ``RECYCLED``.
+
 Shutdown (SIGTERM/SIGINT, or :meth:`stop`): cancel the consumers first so no
 new job arrives, hand the held jobs back, let the running jobs finish while the I/O thread goes on
 acking and heart-beating, then close and return.
@@ -38,9 +45,10 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
 from types import FrameType
 from typing import Any
+
+from django.template.defaultfilters import pluralize
 
 from deferred.broker import (
     BrokerError,
@@ -53,15 +61,21 @@ from deferred.broker import (
 from deferred.cancels import CancelWatch, cancel_route_missing
 from deferred.cluster import management_api
 from deferred.conf import DeferredSettings, get_settings
+from deferred.exits import WorkerExit
 from deferred.health import HealthFile
 from deferred.holding import Held, Holder
 from deferred.jobs import Job
+from deferred.limits import Watch, Watchdog
 from deferred.metrics import WorkerMetrics
 from deferred.outcomes import Observers, Outcome
-from deferred.pipeline import Hold, Pipeline, Released
+from deferred.pipeline import Abandoned, Hold, Pipeline, Released, Running
+from deferred.pool import Pool
+from deferred.priorities import DEFAULT_LEVEL
 from deferred.publishing import note_verified
+from deferred.recycling import Recycling
+from deferred.results import Recorder
 from deferred.scheduler import Scheduler, scheduled_tasks
-from deferred.topology import plan_topology
+from deferred.topology import Plan, plan_topology
 from deferred.watch import StuckWatch
 
 logger = logging.getLogger("deferred.worker")
@@ -87,13 +101,14 @@ class Worker:
         schedules: bool = True,
         metrics: WorkerMetrics | None = None,
         health: HealthFile | None = None,
+        recycling: Recycling | None = None,
     ) -> None:
         self.settings = settings or get_settings()
         names = list(queues or self.settings.queues)
         unknown = [q for q in names if q not in self.settings.queues]
         if unknown:
             raise ValueError(
-                f"Queue(s) {', '.join(unknown)} not in DEFERRED['QUEUES'] "
+                f"Queue{pluralize(len(unknown))} {', '.join(unknown)} not in DEFERRED['QUEUES'] "
                 f"{list(self.settings.queues)!r}."
             )
         if concurrency < 1:
@@ -112,13 +127,23 @@ class Worker:
             prefetch=concurrency,
             hold_queues=[plan.hold_queues[q].name for q in names],
             hold_prefetch=self.settings.hold_prefetch,
+            legacy_queues=_legacy(plan, names),
+            forward=self._forward,
         )
         #: Set while the worker is consuming (tests and health checks wait on it).
         self.consuming = threading.Event()
         self._stopping = threading.Event()
         self._inflight = 0
         self._lock = threading.Lock()
-        self._executor: ThreadPoolExecutor | None = None
+        self._executor: Pool | None = None
+        #: Jobs given up at their hard time limit, settled once the others are done.
+        self._timed_out: list[Watch] = []
+        #: Why the worker ended: STOPPED, or a planned exit (RECYCLED, TIMED_OUT).
+        self.exit_status = WorkerExit.STOPPED
+        #: When to make way for a fresh process (--max-jobs/memory-per-child).
+        self.recycling = recycling
+        #: Fires the time limits of the running jobs.
+        self.watchdog = Watchdog(self._on_hard_limit)
         #: Knows the cancelled job ids: every job is checked against it before it runs.
         self.cancels = CancelWatch(self.settings)
         #: How many messages ended how, by outcome ("succeeded", "cancelled", ...).
@@ -129,6 +154,8 @@ class Worker:
         self.health = health
         #: Told what the worker does: the metrics and the health file, if any.
         self.observer = Observers([metrics, health])
+        #: Writes each job's start and outcome to the results stream (``RESULTS``).
+        self.results = Recorder(self.settings, self.worker_id) if self.settings.results else None
         #: What happens to each delivery, in the pool's threads.
         self.pipeline = Pipeline(
             self.settings,
@@ -137,6 +164,8 @@ class Worker:
             holds=self.consumer.holds,
             observer=self.observer,
             worker_id=self.worker_id,
+            watchdog=self.watchdog,
+            results=self.results,
         )
         #: Keeps the jobs due within the hold window until their time.
         self.holder = Holder(self._release, self._hand_back_late, stalled=self._stalled)
@@ -161,10 +190,18 @@ class Worker:
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
         if self._stopping.is_set():
-            logger.warning("%s again: still waiting for %d running job(s).", name, self._inflight)
+            logger.warning(
+                "%s again: still waiting for %d running job%s.",
+                name,
+                self._inflight,
+                pluralize(self._inflight),
+            )
         else:
             logger.warning(
-                "%s received: finishing %d running job(s), then exiting.", name, self._inflight
+                "%s received: finishing %d running job%s, then exiting.",
+                name,
+                self._inflight,
+                pluralize(self._inflight),
             )
         self.stop()
 
@@ -178,8 +215,10 @@ class Worker:
         infrastructure.
         """
         previous = self._install_signals()
-        self._executor = ThreadPoolExecutor(self.concurrency, thread_name_prefix="deferred-job")
+        self._executor = Pool(self.concurrency)
         self.cancels.start()
+        if self.results is not None:
+            self.results.start()
         self.holder.start_thread()
         watch = self._stuck_watch()
         if watch is not None:
@@ -207,10 +246,12 @@ class Worker:
                     while not self._stopping.is_set():
                         self.consumer.poll(self.poll_interval)
                         self.observer.beat()
+                        self._check_recycling()
                     self._consuming(False)
                     self.consumer.cancel()
                     self._hand_back_held()
                     self._drain()
+                    self._settle_timed_out()
                 except (BrokerUnavailable, TopologyNotDeclared) as exc:
                     self._consuming(False)
                     if isinstance(exc, TopologyNotDeclared) and not self.settings.declare:
@@ -234,11 +275,117 @@ class Worker:
                 watch.stop()
             if self.scheduler is not None:
                 self.scheduler.stop()
-            self._executor.shutdown(wait=True)
+            # Every thread but one given up at a hard time limit: that one ends with the process.
+            # A given-up job not settled went back to RabbitMQ with a lost connection: it
+            # may run elsewhere now, so the stuck thread must end at once, and with it the
+            # other running jobs, whose deliveries went back too.
+            lost = bool(self._timed_out)
+            if lost:
+                logger.warning(
+                    "RabbitMQ took back %d job%s given up at the hard time limit with the "
+                    "lost connection: ending now, so that no copy runs beside the stuck "
+                    "thread (the running jobs go back too).",
+                    len(self._timed_out),
+                    pluralize(len(self._timed_out)),
+                )
+            self._executor.shutdown(wait=not lost)
+            self.watchdog.stop()
+            if self.results is not None:
+                self.results.stop()
             self.cancels.stop()
             self.consumer.close()
             self._restore_signals(previous)
-            logger.info("Worker stopped.")
+            if self.exit_status == WorkerExit.STOPPED:
+                logger.info("Worker stopped.")
+            else:
+                logger.warning(
+                    "Worker stopped for a fresh process (exit status %d, %s).",
+                    self.exit_status,
+                    self.exit_status.name,
+                )
+
+    def _end(self, status: WorkerExit, why: str) -> None:
+        """Stop for a fresh process: ``status`` becomes the exit status (a time limit
+        wins over recycling)."""
+        with self._lock:
+            first = self.exit_status == WorkerExit.STOPPED and not self._stopping.is_set()
+            if status > self.exit_status:
+                self.exit_status = status
+        self.stop()
+        if first or status == WorkerExit.TIMED_OUT:
+            logger.warning(
+                "Worker stopping for a fresh process: %s. Finishing %d running job%s, "
+                "handing back the held ones.",
+                why,
+                self._inflight,
+                pluralize(self._inflight),
+            )
+
+    def _check_recycling(self) -> None:
+        if self.recycling is None or self._stopping.is_set():
+            return
+        reason = self.recycling.reason(self.outcomes.total())
+        if reason is not None:
+            self._end(WorkerExit.RECYCLED, reason)
+
+    def _on_hard_limit(self, watch: Watch) -> None:
+        """On the watchdog's thread: a job still runs past its limit and grace.
+
+        Its thread cannot be stopped, so the worker gives it up at once (should
+        it return now, it takes no other job), stops taking jobs, and ends with
+        ``TIMED_OUT``. The job itself is settled last, by
+        :meth:`_settle_timed_out`, once the other running jobs are done: until
+        the process ends its thread may still be running, and a retry
+        published now could start on another worker beside it.
+        """
+        run: Running = watch.context
+        self._end(
+            WorkerExit.TIMED_OUT,
+            f"job {run.job.id} ({run.job.task}) is still running {watch.grace_s:g} s after "
+            f"its time limit of {watch.limit_s:g} s",
+        )
+        assert self._executor is not None
+        self._executor.abandon(watch.thread_id)
+        with self._lock:
+            self._inflight -= 1
+            self._timed_out.append(watch)
+
+    def _settle_timed_out(self) -> None:
+        """On the I/O thread, once nothing else runs: settle each job given up at its hard
+        limit (retried, or failed as ``timed_out``), then ack it; the process ends next.
+
+        If the outcome cannot be stored, the job is not acked: RabbitMQ delivers
+        it again once this process has ended. If its connection was lost
+        meanwhile, RabbitMQ has taken it back already: nothing is published
+        for it, and it stays in ``_timed_out`` so that the process ends at once.
+        """
+        with self._lock:
+            given_up, self._timed_out = self._timed_out, []
+        for watch in given_up:
+            run: Running = watch.context
+            if not self.consumer.holds(run.delivery):
+                with self._lock:
+                    self._timed_out.append(watch)
+                continue
+            try:
+                outcome = self.pipeline.timed_out(watch)
+                written = self.pipeline.take_written()
+                if written is not None:
+                    written.wait(self.settings.publish_timeout_s)
+            except Exception as exc:  # noqa: BLE001 - the broker, or anything else: not acked
+                logger.error(
+                    "Could not record job %s as timed out (%s); RabbitMQ will deliver it "
+                    "again once this process ends.",
+                    run.job.id,
+                    exc,
+                )
+                continue
+            with self._lock:
+                self.outcomes[outcome] += 1
+            self.consumer.settle_threadsafe(run.delivery, ack=True)
+        if given_up:
+            self.consumer.settle_pending()
+            self.consumer.poll(0)
 
     def _consuming(self, consuming: bool) -> None:
         """Say whether jobs are being taken: the event, and the observers."""
@@ -257,7 +404,9 @@ class Worker:
     def _drain(self) -> None:
         """Keep doing I/O (acks, heartbeats) until no job is running."""
         if self._inflight:
-            logger.info("Waiting for %d running job(s) to finish.", self._inflight)
+            logger.info(
+                "Waiting for %d running job%s to finish.", self._inflight, pluralize(self._inflight)
+            )
         while self._inflight:
             self.consumer.poll(0.05)
         self.consumer.settle_pending()  # the last acks, sent now
@@ -304,24 +453,33 @@ class Worker:
         with self._lock:
             self._inflight += 1
         assert self._executor is not None
-        self._executor.submit(self._execute, delivery, job)
+        self._executor.submit(self._execute, delivery, job, priority=_level(delivery))
 
-    def _release(self, entry: Held) -> None:
-        """On the holder's thread: a held job is due; run it in the pool."""
+    def _release(self, entries: list[Held]) -> None:
+        """On the holder's thread: held jobs are due; run them in the pool, submitted
+        together so that the highest priority starts first."""
         with self._lock:
-            self._inflight += 1
+            self._inflight += len(entries)
         assert self._executor is not None
         try:
-            self._executor.submit(self._execute, entry.delivery, entry.job, entry)
-        except RuntimeError:  # the pool is shut down: the holder hands it back
+            self._executor.submit_many(
+                [(self._execute, (e.delivery, e.job, e), _level(e.delivery)) for e in entries]
+            )
+        except RuntimeError:  # the pool is shut down: the holder hands them back
             with self._lock:
-                self._inflight -= 1
+                self._inflight -= len(entries)
             raise
 
     def _stalled(self, seconds: float) -> bool:
         """Whether no pool thread has started a message for ``seconds``: every thread
         is taken by jobs that run long."""
         return time.monotonic() - self._last_start >= seconds
+
+    def _forward(
+        self, queue: str, body: bytes, message_id: str | None, headers: dict[str, Any]
+    ) -> None:
+        """On the I/O thread: a message of a replaced queue goes on to ``queue`` (confirmed)."""
+        self.pipeline.forward(queue, body, message_id, headers)
 
     def _hand_back_late(self, entry: Held) -> None:
         """On the holder's thread: a due job found no free thread in time."""
@@ -340,8 +498,9 @@ class Worker:
             handed = self.pipeline.hand_back(held)
         except BrokerError as exc:
             logger.warning(
-                "Could not hand back %d held job(s) (%s); requeueing them instead.",
+                "Could not hand back %d held job%s (%s); requeueing them instead.",
                 len(held),
+                pluralize(len(held)),
                 exc,
             )
             for delivery, _ in held:
@@ -350,7 +509,12 @@ class Worker:
         for delivery in handed:
             self.consumer.settle_threadsafe(delivery, ack=True)
         if handed:
-            logger.info("Handed back %d held job(s) for another worker: %s.", len(handed), why)
+            logger.info(
+                "Handed back %d held job%s for another worker: %s.",
+                len(handed),
+                pluralize(len(handed)),
+                why,
+            )
 
     def _execute(
         self, delivery: Delivery, job: Job | None = None, entry: Held | None = None
@@ -360,12 +524,13 @@ class Worker:
         ``job`` and ``entry``: a held job, now due (handed back meanwhile if
         the holder took it back first).
         """
-        ack = released = False
+        ack = released = abandoned = False
         self._last_start = time.monotonic()
         if entry is not None and not self.holder.start(entry):
             with self._lock:
                 self._inflight -= 1
             return
+        self.pipeline.take_written()  # nothing of an earlier job on this thread
         try:
             if not self.consumer.holds(delivery):
                 raise Released
@@ -377,6 +542,10 @@ class Worker:
             released = True  # not settled now: held, or handed back
             if self.holder.hold(delivery, hold.job, hold.seconds) is None:
                 self._hand_back([(delivery, hold.job)], "the worker is stopping")
+        except Abandoned as gone:
+            # Past its hard time limit: settled and counted by _on_hard_limit already.
+            logger.warning("Job %s ended after the worker gave up on it; ignored.", gone)
+            released = abandoned = True
         except Released:
             # Its connection is gone, so RabbitMQ has already redelivered it:
             # running it here too would only make a duplicate.
@@ -400,19 +569,31 @@ class Worker:
             )
             self._stopping.wait(REQUEUE_PAUSE_S)
         finally:
-            if not released and not self.consumer.settle_threadsafe(
-                delivery, ack=ack, requeue=True
-            ):
-                # A connection lost, or the broker's consumer timeout: a job
-                # held longer than it is taken back and run by another worker.
-                logger.warning(
-                    "The delivery of this job from %s was taken back while it ran (a lost "
-                    "connection, or the broker's consumer timeout); RabbitMQ will redeliver "
-                    "it, so it may run again. Jobs that run this long need a longer timeout: "
-                    "DEFERRED['CONSUMER_TIMEOUT'] for quorum queues, consumer_timeout in "
-                    "rabbitmq.conf for classic ones.",
-                    delivery.queue,
-                )
+            written = self.pipeline.take_written()
+            if written is not None and not released:
+                # Settled once its result record is confirmed or given up (on the
+                # results writer's thread; a lost record never runs the job again):
+                # this thread goes on to the next job meanwhile.
+                written.add_done_callback(lambda _ok: self._settle(delivery, ack, abandoned))
+            else:
+                self._settle(delivery, ack, abandoned, released=released)
+
+    def _settle(
+        self, delivery: Delivery, ack: bool, abandoned: bool, *, released: bool = False
+    ) -> None:
+        """Ack (or hand back) a message its pool thread is done with, and count it out."""
+        if not released and not self.consumer.settle_threadsafe(delivery, ack=ack, requeue=True):
+            # A connection lost, or the broker's consumer timeout: a job
+            # held longer than it is taken back and run by another worker.
+            logger.warning(
+                "The delivery of this job from %s was taken back while it ran (a lost "
+                "connection, or the broker's consumer timeout); RabbitMQ will redeliver "
+                "it, so it may run again. Jobs that run this long need a longer timeout: "
+                "DEFERRED['CONSUMER_TIMEOUT'] for quorum queues, consumer_timeout in "
+                "rabbitmq.conf for classic ones.",
+                delivery.queue,
+            )
+        if not abandoned:
             with self._lock:
                 self._inflight -= 1
 
@@ -437,3 +618,20 @@ class Worker:
                 "definitions, or run declare_delay_topology).",
                 missing,
             )
+
+
+def _level(delivery: Delivery) -> int:
+    """Where a delivery waits for a thread: by its AMQP priority (a job published
+    before priorities existed has none, and counts as the default)."""
+    return DEFAULT_LEVEL if delivery.priority is None else delivery.priority
+
+
+def _legacy(plan: Plan, names: list[str]) -> dict[str, str]:
+    """The FIFO ready and hold queues of ``names`` that older topologies may still deliver
+    to, when this topology's have priorities (:attr:`Plan.legacy_queues`), each with the
+    queue its messages go on to."""
+    ready, hold = plan.legacy_queues
+    return {
+        **{ready[n]: plan.ready_queues[n].name for n in names if n in ready},
+        **{hold[n]: plan.hold_queues[n].name for n in names if n in hold},
+    }

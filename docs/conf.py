@@ -34,6 +34,8 @@ django.setup()
 import deferred  # noqa: E402  # after django.setup()
 
 project = "deferred"
+# The footer: "Copyright ©" and this (Sphinx writes nothing after the sign without it).
+copyright = "the deferred project"
 release = version = deferred.__version__
 extensions = ["myst_parser", "sphinx.ext.autodoc", "deferred_reference"]
 source_suffix = {".md": "markdown"}

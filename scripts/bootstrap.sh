@@ -4,7 +4,8 @@
 #   scripts/bootstrap.sh [PYTHON]     e.g. scripts/bootstrap.sh python3.12
 #
 # DJANGO, if set, pins the Django release line (e.g. 'Django>=5.2,<6');
-# EXTRAS picks the optional dependencies (default: dev).
+# EXTRAS picks the optional dependencies (default: dev); VENV names the
+# virtualenv's folder (default: .venv, or .venv-X.Y for another Python).
 # Reinstalls only when pyproject.toml, the interpreter or DJANGO changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,6 +18,7 @@ version="$("$python" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
 }
 venv=".venv"
 [ "$version" = "$(python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])')" ] || venv=".venv-$version"
+venv="${VENV:-$venv}"
 
 extras="${EXTRAS:-dev}"
 stamp="$(cat pyproject.toml; echo "$version ${DJANGO:-} $extras")"

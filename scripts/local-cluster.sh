@@ -13,7 +13,8 @@
 # AMQP on 127.0.0.1:5681, 5682, 5683 (DEFERRED_CLUSTER_PORT moves the first),
 # the management UI and HTTP API on that port + 10000 (guest / guest), Erlang
 # distribution on that port + 20000. Each node has its own config, data and
-# logs in a folder under DEFERRED_CLUSTER_DIR (default /tmp/deferred-cluster).
+# logs in a folder under DEFERRED_CLUSTER_DIR (default /tmp/deferred-cluster, or
+# deferred-cluster in the folder of a `rabbitmq-release.sh VERSION run`).
 # The broker already running on 5672 is never stopped or reconfigured: the
 # nodes only share its epmd and its Erlang cookie (they run as the rabbitmq
 # user, whose cookie the rabbitmqctl wrapper uses too). Needs the RabbitMQ
@@ -26,7 +27,9 @@ set -euo pipefail
 export PATH="$PATH:/usr/sbin:/sbin"
 
 base_port="${DEFERRED_CLUSTER_PORT:-5681}"
-cluster_dir="${DEFERRED_CLUSTER_DIR:-/tmp/deferred-cluster}"
+# In the folder of a `rabbitmq-release.sh VERSION run` when there is one: runs
+# side by side, each in its network namespace, keep apart.
+cluster_dir="${DEFERRED_CLUSTER_DIR:-${DEFERRED_RABBITMQ_RUN_DIR:-/tmp}/deferred-cluster}"
 letters=(a b c)
 all_nodes=(1 2 3)
 limit=60    # seconds a node gets to boot
@@ -61,11 +64,14 @@ ctl() { rabbitmqctl "$@"; }
 
 # The OS pid of node N's Erlang VM, found by the RABBITMQ_NODENAME in its
 # environment (RabbitMQ 3.10 does not put the node name on the command line),
-# so the main broker's VM can never match.
+# so the main broker's VM can never match; in this network namespace only, so
+# that a cluster of a run beside this one (in a namespace of its own) cannot either.
+own_net="$(readlink /proc/self/ns/net)"
 vm_pid() {
     local want pid
     want="RABBITMQ_NODENAME=$(name "$1")"
     for pid in $(cat "$(node_dir "$1")/pid" 2>/dev/null) $(pgrep -x beam.smp || true); do
+        [ "$(readlink "/proc/$pid/ns/net" 2>/dev/null)" = "$own_net" ] || continue
         if tr '\0' '\n' 2>/dev/null < "/proc/$pid/environ" | grep -qxF "$want"; then
             echo "$pid"
             return 0

@@ -4,9 +4,9 @@
 #
 #   scripts/test-wheel.sh [pytest arguments]     e.g. -m "not slow"
 #
-# The wheel is built from this checkout, installed with its dev extra into a
-# fresh virtualenv, and the suite runs in a clone of the committed tree from
-# which deferred/ is removed, so that only the installed package can be
+# The wheel is built from a clone of the committed tree (uncommitted changes
+# are not tested here), installed with its dev extra into a fresh virtualenv,
+# and the suite runs in that clone, from which deferred/ is removed, so that only the installed package can be
 # imported (the worker processes the tests start too). Lint and types are not
 # run here: they read the source, and scripts/test.sh runs them.
 #
@@ -18,7 +18,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts="$PWD/scripts"
-# With no pytest arguments: the whole suite, in two runs (scripts/pytest-runs.sh).
+# With no pytest arguments: the whole suite, in three runs (scripts/pytest-runs.sh).
 whole=0
 [ $# -eq 0 ] && whole=1
 
@@ -39,13 +39,15 @@ work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 "$python" -m venv "$work/venv"
 "$work/venv/bin/python" -m pip install -q --upgrade pip >/dev/null
-"$work/venv/bin/python" -m pip wheel -q --no-deps --wheel-dir "$work/dist" . >/dev/null
+# The wheel is built from a clone of the commit, as the tests are: the build
+# writes nothing into this checkout, where another job may be building too.
+git clone -q . "$work/src"
+"$work/venv/bin/python" -m pip wheel -q --no-deps --wheel-dir "$work/dist" "$work/src" >/dev/null
 wheel="$(ls "$work"/dist/*.whl)"
 read -ra pins <<<"${PINS:-}"
 "$work/venv/bin/python" -m pip install -q "$wheel[dev]" ${DJANGO:+"$DJANGO"} ${pins[@]+"${pins[@]}"} >/dev/null
 
-git clone -q . "$work/src"
-rm -rf "$work/src/deferred"
+rm -rf "$work/src/deferred" "$work/src/build" "$work"/src/*.egg-info
 cd "$work/src"
 "$work/venv/bin/python" - "$work/venv" <<'PY'
 import sys

@@ -10,7 +10,8 @@
 # it), no plain AMQP listener, the management API over HTTPS on that port + 10000,
 # Erlang distribution on that port + 20000. It requires a client certificate
 # (mutual TLS): `fail_if_no_peer_cert`. Under DEFERRED_TLS_DIR (default
-# /tmp/deferred-tls) it keeps its config, data, logs and certs/: ca.pem (the CA
+# /tmp/deferred-tls, or deferred-tls in the folder of a `rabbitmq-release.sh
+# VERSION run`, so that runs side by side keep apart) it keeps its config, data, logs and certs/: ca.pem (the CA
 # that signed the server's and the client's certificates), client.pem and
 # client.key, and other-ca.pem (a CA that signed nothing of this node's).
 # Needs the RabbitMQ server, openssl, and root or the rabbitmq user.
@@ -21,7 +22,7 @@ set -euo pipefail
 export PATH="$PATH:/usr/sbin:/sbin"
 
 port="${DEFERRED_TLS_PORT:-5691}"
-dir="${DEFERRED_TLS_DIR:-/tmp/deferred-tls}"
+dir="${DEFERRED_TLS_DIR:-${DEFERRED_RABBITMQ_RUN_DIR:-/tmp}/deferred-tls}"
 node="rabbit-tls@localhost"
 limit=60
 marker=".deferred-tls-node"
@@ -39,10 +40,14 @@ dist_port=$((port + 20000))
 
 answers() { timeout 2 bash -c "exec 3<>/dev/tcp/127.0.0.1/$1" 2>/dev/null; }
 
-# The OS pid of this node's Erlang VM, found by the node name in its environment.
+# The OS pid of this node's Erlang VM, found by the node name in its environment,
+# in this network namespace only: a run beside this one (in a namespace of its
+# own) has a TLS node of the same name.
+own_net="$(readlink /proc/self/ns/net)"
 vm_pid() {
     local pid
     for pid in $(cat "$dir/pid" 2>/dev/null) $(pgrep -x beam.smp || true); do
+        [ "$(readlink "/proc/$pid/ns/net" 2>/dev/null)" = "$own_net" ] || continue
         if tr '\0' '\n' 2>/dev/null < "/proc/$pid/environ" | grep -qxF "RABBITMQ_NODENAME=$node"; then
             echo "$pid"
             return 0

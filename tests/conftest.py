@@ -24,7 +24,7 @@ from django.conf import settings
 from django.core.management import call_command
 from django.test import override_settings
 
-from deferred.broker import BrokerUnavailable, admin_channel, connect
+from deferred.broker import BrokerError, BrokerUnavailable, admin_channel, connect
 from deferred.conf import get_settings
 from deferred.topology import Plan, plan_topology, recorded_plan
 from deferred.worker import Worker
@@ -77,9 +77,7 @@ def topology(broker_url: str) -> Iterator[Plan]:
     call_command("declare_delay_topology", verbosity=0)
     plan = plan_topology(get_settings())
     yield plan
-    with admin_channel(broker_url) as admin:
-        for each in _every_plan(admin, plan):
-            admin.delete_everything(each)
+    remove_topologies(broker_url, plan)
 
 
 @contextmanager
@@ -93,9 +91,26 @@ def topology_of_its_own(broker_url: str) -> Iterator[Plan]:
         try:
             yield plan
         finally:
+            remove_topologies(broker_url, plan)
+
+
+def remove_topologies(broker_url: str, plan: Plan, tries: int = 10) -> None:
+    """Delete ``plan`` and every older version of its PREFIX, messages included.
+
+    RabbitMQ's stream coordinator is sometimes briefly unavailable (seen on
+    3.10 under load: a stream delete closes the connection with
+    ``coordinator_unavailable``); the clean-up tries again on a new connection.
+    """
+    for attempt in range(tries):
+        try:
             with admin_channel(broker_url) as admin:
                 for each in _every_plan(admin, plan):
                     admin.delete_everything(each)
+            return
+        except BrokerError as exc:
+            if "coordinator_unavailable" not in str(exc) or attempt == tries - 1:
+                raise
+            time.sleep(1)
 
 
 @pytest.fixture
@@ -259,3 +274,38 @@ def record_job(path: str, label: str, **changes):
         **changes,
     }
     return Job(**fields)
+
+
+CHROMIUM = os.environ.get("DEFERRED_CHROMIUM", "/usr/bin/chromium")
+CHROMEDRIVER = os.environ.get("DEFERRED_CHROMEDRIVER", "/usr/bin/chromedriver")
+
+
+@pytest.fixture
+def browser() -> Iterator:
+    """Headless Chromium driven by Selenium, 1280 px wide; quit at the end of the test.
+
+    Needs Debian's ``chromium`` and ``chromium-driver`` (``scripts/ensure-chromium.sh``
+    installs them when run as root). Without them the test fails: it never skips.
+    """
+    from selenium import webdriver
+    from selenium.common.exceptions import WebDriverException
+    from selenium.webdriver.chrome.service import Service
+
+    for path in (CHROMIUM, CHROMEDRIVER):
+        if not os.access(path, os.X_OK):
+            pytest.fail(
+                f"{path} is missing: install Debian's chromium and chromium-driver "
+                "(scripts/ensure-chromium.sh does it as root)."
+            )
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for argument in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage"):
+        options.add_argument(argument)
+    options.add_argument("--window-size=1280,1900")
+    try:
+        driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    except WebDriverException as exc:
+        pytest.fail(f"Chromium does not start: {exc.msg}")
+    driver.implicitly_wait(5)
+    yield driver
+    driver.quit()

@@ -91,6 +91,9 @@ if os.environ.get("DEFERRED_TEST_HOLD_WINDOW"):
     DEFERRED["HOLD_WINDOW"] = float(os.environ["DEFERRED_TEST_HOLD_WINDOW"])
 if os.environ.get("DEFERRED_TEST_HOLD_PREFETCH"):
     DEFERRED["HOLD_PREFETCH"] = int(os.environ["DEFERRED_TEST_HOLD_PREFETCH"])
+# Worker subprocesses of the time-limit tests give up on a job sooner.
+if os.environ.get("DEFERRED_TEST_TIME_LIMIT_GRACE"):
+    DEFERRED["TIME_LIMIT_GRACE"] = float(os.environ["DEFERRED_TEST_TIME_LIMIT_GRACE"])
 if os.environ.get("DEFERRED_TEST_MAX_DELAY"):
     DEFERRED["MAX_DELAY"] = float(os.environ["DEFERRED_TEST_MAX_DELAY"])
 if os.environ.get("DEFERRED_TEST_STUCK_AFTER"):

@@ -26,7 +26,7 @@ from deferred.broker import admin_channel
 from deferred.cluster import management_api
 from deferred.conf import get_settings
 from deferred.topology import NO_DELIVERY_LIMIT, Plan, plan_topology
-from tests.conftest import _every_plan, rabbitmqctl, wait_for
+from tests.conftest import rabbitmqctl, remove_topologies, wait_for
 from tests.testapp.tasks import read_records, record, sleepy
 
 HOST = "amqp://guest:guest@127.0.0.1:5672/"
@@ -51,9 +51,7 @@ def quorum_topology(broker_url: str, name: str, **values: Any) -> Iterator[Plan]
         try:
             yield plan
         finally:
-            with admin_channel(broker_url) as admin:
-                for each in _every_plan(admin, plan):
-                    admin.delete_everything(each)
+            remove_topologies(broker_url, plan)
 
 
 def broker_version(url: str) -> tuple[int, ...]:
@@ -113,8 +111,8 @@ def test_a_vhost_whose_default_queue_type_is_quorum_keeps_a_classic_topology_cla
     queues = listed_queues(quorum_vhost, prefix)
     assert set(queues) == {q.name for q in plan.all_queues}
     types = {name: q["type"] for name, q in queues.items()}
-    assert types[plan.cancels_queue.name] == "stream"
-    del types[plan.cancels_queue.name]
+    for stream in plan.streams:
+        assert types.pop(stream.name) == "stream"
     assert set(types.values()) == {"classic"}, types
     assert all(
         q["arguments"].get("x-queue-type") == "classic"
@@ -133,7 +131,7 @@ def test_every_quorum_queue_declares_its_delivery_limit(broker_url):
         }
         # The queues workers consume: the ready queues and the hold queues.
         ready = {q.name for q in (*plan.ready_queues.values(), *plan.hold_queues.values())}
-        assert set(limits) == {q.name for q in plan.all_queues} - {plan.cancels_queue.name}
+        assert set(limits) == {q.name for q in plan.all_queues} - {q.name for q in plan.streams}
         assert {limits[name] for name in ready} == {get_settings().delivery_limit}
         assert {limits[name] for name in set(limits) - ready} == {NO_DELIVERY_LIMIT}
 

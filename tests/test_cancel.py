@@ -222,7 +222,7 @@ def test_the_command_cancels_and_reports_errors(clean, run_worker, records):
     gone = defer(record, 0.5, records, "gone")
     out = StringIO()
     call_command("deferred_cancel", gone, stdout=out)
-    assert "Cancelled 1 job(s)" in out.getvalue()
+    assert "Cancelled 1 job:" in out.getvalue()
     worker = run_worker()
     assert wait_for(lambda: worker.outcomes["cancelled"] == 1, 10)
     assert labels(records) == []

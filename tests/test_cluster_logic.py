@@ -74,14 +74,15 @@ def test_quorum_queues_are_replicated_with_balanced_leaders_and_confirmed_hops()
         group_size=3,
     )
     for queue in plan.all_queues:
-        if queue is plan.cancels_queue:
+        if queue in plan.streams:
             continue
         assert queue.arguments["x-queue-type"] == "quorum"
         assert queue.arguments["x-quorum-initial-group-size"] == 3
         assert queue.arguments["x-queue-leader-locator"] == "balanced"
-    # The cancels are a stream, replicated on as many nodes.
-    assert plan.cancels_queue.arguments["x-queue-type"] == "stream"
-    assert plan.cancels_queue.arguments["x-initial-cluster-size"] == 3
+    # The cancels and the results are streams, replicated on as many nodes.
+    for stream in plan.streams:
+        assert stream.arguments["x-queue-type"] == "stream"
+        assert stream.arguments["x-initial-cluster-size"] == 3
     for queue in (*plan.delay_queues, *plan.ready_queues.values()):
         assert queue.arguments["x-dead-letter-strategy"] == "at-least-once"
     classic = build_plan(
@@ -250,7 +251,7 @@ def test_the_status_text_shows_nodes_leaders_and_stuck_queues() -> None:
     assert "read from 10.0.0.2:5672/" in text
     assert "rabbit-b@h" in text and "down  alarms: disk" in text
     assert "queue leaders per node: rabbit-a@h 40, rabbit-b@h 19" in text
-    assert "STUCK: 14 dead-lettered job(s) in p.delay.q" in text and "deferred_repair" in text
+    assert "STUCK: 14 dead-lettered jobs in p.delay.q" in text and "deferred_repair" in text
     single = ClusterView("h:5672/", None, (NodeState("h:5672/", "answers"),), "amqp", None, None)
     assert render_cluster(single) == ["read from h:5672/"]
 

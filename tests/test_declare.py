@@ -54,14 +54,14 @@ def test_second_run_changes_nothing_and_says_so(topology):
 def test_first_run_says_what_it_created(broker_url):
     with own_prefix(broker_url, RADIX=16):
         out = run()
-        assert "Declared topology r16.1ms.L4.H2.classic: created" in out
+        assert "Declared topology r16.1ms.L4.H2.P9.classic: created" in out
         assert "nothing changed" in run()
 
 
 def test_dry_run_prints_the_plan_and_touches_nothing(broker_url):
     with own_prefix(broker_url, RADIX=4):
         text = run("--dry-run")
-        assert "Topology r4.1ms.L8.H4.classic" in text and "ttl=" in text
+        assert "Topology r4.1ms.L8.H4.P9.classic" in text and "ttl=" in text
         plan = json.loads(run("--dry-run", "--format", "json"))
         assert plan["radix"] == 4 and plan["levels"] == 8
         ttls = sorted(
@@ -81,14 +81,14 @@ def test_dry_run_prints_the_plan_and_touches_nothing(broker_url):
 
 def test_queue_with_other_arguments_is_a_clear_error(broker_url):
     with own_prefix(broker_url) as prefix:
+        ready = f"{prefix}.ready.p9.default"
+        assert current_plan().ready_queues["default"].name == ready
         with admin_channel(broker_url) as admin:
-            admin.channel.queue_declare(
-                f"{prefix}.ready.default", durable=True, arguments={"x-queue-type": "quorum"}
-            )
+            admin.channel.queue_declare(ready, durable=True, arguments={"x-queue-type": "quorum"})
         with pytest.raises(CommandError) as caught:
             run()
         message = str(caught.value)
-        assert f"{prefix}.ready.default" in message
+        assert ready in message
         assert "delete_queue" in message and "inequivalent arg" in message
 
 
@@ -98,10 +98,12 @@ def test_quorum_mode(broker_url, run_worker, records):
         listed = rabbitmqctl("list_queues", "name", "type", "arguments", "-q", "--no-table-headers")
         mine = [line for line in listed.splitlines() if line.startswith(prefix)]
         delay_lines = [line for line in mine if ".delay." in line]
+        streams = (f"{prefix}.cancels\t", f"{prefix}.results\t")
         assert delay_lines and all(
-            "quorum" in line for line in mine if not line.startswith(f"{prefix}.cancels")
+            "quorum" in line for line in mine if not line.startswith(streams)
         )
-        assert any(line.startswith(f"{prefix}.cancels\tstream") for line in mine)
+        for stream in streams:
+            assert any(line.startswith(f"{stream}stream") for line in mine), stream
         assert all("at-least-once" in line for line in delay_lines)
         run_worker()
         start = time.time()

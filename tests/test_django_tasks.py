@@ -20,6 +20,7 @@ from deferred.conf import get_settings
 from deferred.failures import list_failed
 from deferred.jobs import Job, new_job_id
 from deferred.publishing import publish
+from deferred.topology import plan_topology
 from tests.conftest import depth, total_waiting, wait_for
 from tests.testapp.framework_tasks import double, email_users, flaky, note, note_async
 
@@ -35,16 +36,16 @@ def test_the_backend_says_what_it_supports():
     assert isinstance(backend, RabbitMQBackend)
     assert backend.supports_defer is True
     assert backend.supports_async_task is True
-    # Model-free: no result store, and no priorities.
-    assert backend.supports_get_result is False
-    assert backend.supports_priority is False
+    # Results from the results stream, with no table; priorities, on Django's -100..100 scale.
+    assert backend.supports_get_result is True
+    assert backend.supports_priority is True
     # Without QUEUES, every target queue of DEFERRED.
     assert backend.queues == {"default", "other"}
 
 
 def test_what_it_cannot_honour_is_refused_with_the_frameworks_exceptions(clean):
     with pytest.raises(InvalidTask, match="priority"):
-        email_users.using(priority=10)
+        email_users.using(priority=101)  # the framework's own range check
     with pytest.raises(InvalidTask, match=r"not in DEFERRED\[.QUEUES.\]"):
         email_users.using(queue_name="nowhere")
     with pytest.raises(InvalidTask, match="aware"):
@@ -52,7 +53,7 @@ def test_what_it_cannot_honour_is_refused_with_the_frameworks_exceptions(clean):
     far = datetime.now(UTC) + timedelta(days=365 * 11)
     with pytest.raises(InvalidTask, match="run_after"):
         email_users.using(run_after=far).enqueue(["a@example.com"], "s", "m")
-    with pytest.raises(NotImplementedError):
+    with pytest.raises(_api.exceptions.TaskResultDoesNotExist):
         _api.task_backends["default"].get_result("anything")
 
 
@@ -462,3 +463,164 @@ def test_a_django_tasks_release_older_than_0_12_is_refused_by_name():
             _check_backport_release(old)
     for new in ("0.12.0", "0.12", "0.13.1", "1.0.0rc1"):
         _check_backport_release(new)
+
+
+def test_the_backend_options_time_limit_stops_sync_and_async_tasks(clean, run_worker, tmp_path):
+    from tests.testapp.framework_tasks import spin, spin_async
+
+    finished: list[tuple[str, list[str]]] = []
+
+    def on_finished(sender, task_result, **kwargs):
+        paths = [error.exception_class_path for error in task_result.errors]
+        finished.append((str(task_result.status), paths))
+
+    tasks_setting = {
+        "default": {"BACKEND": "deferred.backends.RabbitMQBackend", "OPTIONS": {"TIME_LIMIT": 0.3}}
+    }
+    _signals.task_finished.connect(on_finished)
+    try:
+        with override_settings(TASKS=tasks_setting):
+            run_worker(concurrency=2)
+            ids = {spin.enqueue(str(tmp_path / "s"), "sync").id}
+            ids.add(spin_async.enqueue(str(tmp_path / "s"), "async").id)
+            assert wait_for(lambda: len(list_failed(get_settings())) == 2, 15)
+            assert wait_for(lambda: len(finished) == 2, 5)
+    finally:
+        _signals.task_finished.disconnect(on_finished)
+    entries = list_failed(get_settings())
+    assert {e.id for e in entries} == ids
+    assert {e.reason for e in entries} == {"timed_out"}
+    assert finished == [("FAILED", ["deferred.limits.TimeLimitExceeded"])] * 2
+
+
+def test_a_bad_time_limit_option_is_a_configuration_error():
+    setting = {"x": {"BACKEND": "deferred.backends.RabbitMQBackend", "OPTIONS": {"TIME_LIMIT": 0}}}
+    with pytest.raises(InvalidTaskBackend, match=r"TASKS\['x'\]\['OPTIONS'\]\['TIME_LIMIT'\]"):
+        RabbitMQBackend("x", setting["x"])
+
+
+def test_a_priority_travels_with_the_job(clean, raw_channel):
+    from deferred.jobs import Job
+
+    result = email_users.using(priority=60).enqueue(["a@example.com"], "s", "m")
+    queue = plan_topology(get_settings()).ready_queues["default"].name
+    assert wait_for(lambda: depth(raw_channel, queue) == 1, 5)
+    _, props, body = raw_channel.basic_get(queue, auto_ack=True)
+    assert Job.decode(body).id == result.id and Job.decode(body).priority == 60
+    assert props.priority == 7  # 41-60 on Django's scale: level 7 of 0-9
+
+
+# ---------------------------------------------------------------------- results
+
+
+def test_refresh_follows_a_task_from_ready_to_successful(clean, run_worker):
+    result = double.using(run_after=datetime.now(UTC) + timedelta(milliseconds=300)).enqueue(21)
+    # Enqueued here, not started: READY, from this process's memory
+    result.refresh()
+    assert result.status == _api.TaskResultStatus.READY
+    worker = run_worker(concurrency=2)
+
+    def successful() -> bool:
+        result.refresh()
+        return result.status == _api.TaskResultStatus.SUCCESSFUL
+
+    assert wait_for(successful, 15), result.status
+    assert result.return_value == 42
+    assert result.worker_ids == [worker.worker_id]
+    assert result.started_at is not None and result.finished_at >= result.started_at
+    assert result.last_attempted_at == result.started_at
+    assert result.errors == []
+    # Another process has none of this memory: get_result() reads the stream alone.
+    from deferred import backends
+
+    backends._enqueued.clear()
+    fresh = _api.task_backends["default"].get_result(result.id)
+    assert fresh.status == _api.TaskResultStatus.SUCCESSFUL
+    assert fresh.return_value == 42
+    assert fresh.task.name == double.name
+    assert fresh.args == [21] and fresh.kwargs == {}
+    assert fresh.enqueued_at is not None and fresh.enqueued_at <= fresh.started_at
+
+
+def test_a_failed_task_reads_failed_with_every_attempts_error(clean, run_worker, tmp_path):
+    path = tmp_path / "attempts.jsonl"
+    with override_settings(
+        TASKS={
+            "default": {
+                "BACKEND": "deferred.backends.RabbitMQBackend",
+                "OPTIONS": {"MAX_RETRIES": 1, "RETRY_BACKOFF": [0.1]},
+            }
+        }
+    ):
+        result = flaky.enqueue(str(path), 5)
+        run_worker(concurrency=1)
+
+        def failed() -> bool:
+            result.refresh()
+            return result.status == _api.TaskResultStatus.FAILED
+
+        assert wait_for(failed, 15), result.status
+    assert len(result.errors) == 2
+    assert result.errors[-1].exception_class is RuntimeError
+    assert "attempt 2 fails" in result.errors[-1].traceback
+    with pytest.raises(ValueError):
+        result.return_value  # noqa: B018 - the framework raises for a failed task
+
+
+def test_aget_result_reads_without_blocking_the_loop(clean, run_worker):
+    import asyncio
+
+    result = double.enqueue(4)
+    run_worker(concurrency=1)
+
+    async def poll() -> tuple[object, int]:
+        ticks = 0
+
+        async def tick() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0.001)
+
+        ticker = asyncio.create_task(tick())
+        try:
+            for _ in range(300):
+                await result.arefresh()
+                if result.status == _api.TaskResultStatus.SUCCESSFUL:
+                    break
+                await asyncio.sleep(0.05)
+        finally:
+            ticker.cancel()
+        return result.status, ticks
+
+    status, ticks = asyncio.run(poll())
+    assert status == _api.TaskResultStatus.SUCCESSFUL and result.return_value == 8
+    assert ticks > 0  # the loop ran while the reads went on
+
+
+def test_a_cancelled_task_reads_failed_with_job_cancelled(clean, run_worker):
+    from deferred import cancel
+
+    result = double.using(run_after=datetime.now(UTC) + timedelta(milliseconds=300)).enqueue(1)
+    cancel(result.id)
+    run_worker(concurrency=1)
+
+    def ended() -> bool:
+        result.refresh()
+        return result.status == _api.TaskResultStatus.FAILED
+
+    assert wait_for(ended, 15), result.status
+    assert result.errors[-1].exception_class_path == "deferred.results.JobCancelled"
+
+
+def test_a_job_of_defer_is_no_task_result(clean, run_worker):
+    from deferred import defer
+    from tests.testapp.tasks import add
+
+    job_id = defer(add, 0, 1, 2)
+    run_worker(concurrency=1)
+    from deferred import result as read
+
+    assert wait_for(lambda: read(job_id).state == "succeeded", 15)
+    with pytest.raises(_api.exceptions.TaskResultDoesNotExist, match="not a task"):
+        _api.task_backends["default"].get_result(job_id)

@@ -222,14 +222,13 @@ def test_the_command_prints_both_formats_without_the_broker():
         doc = json.loads(run("--format", "definitions"))
         # The vhost of BROKER_URL by default, decoded as pika decodes it.
         assert {q["vhost"] for q in doc["queues"]} == {"team/jobs"}
-        assert "iac.ready.default" in {q["name"] for q in doc["queues"]}
+        assert "iac.ready.p9.default" in {q["name"] for q in doc["queues"]}
         doc = json.loads(run("--format", "definitions", "--vhost", "other"))
         assert {q["vhost"] for q in doc["queues"]} == {"other"}
         parsed = parse(run("--format", "terraform"))
         assert parsed["variable"][0]["vhost"]["default"] == "team/jobs"
-        assert (
-            resources(parsed, "rabbitmq_queue")["iac_ready_default"]["name"] == "iac.ready.default"
-        )
+        queues = resources(parsed, "rabbitmq_queue")
+        assert queues["iac_ready_p9_default"]["name"] == "iac.ready.p9.default"
 
 
 def test_the_command_refuses_meaningless_combinations():

@@ -284,7 +284,7 @@ def test_the_worker_watch_logs_each_stuck_queue_once_and_repairs_it(stand_in, ca
     with caplog.at_level(logging.ERROR, logger="deferred.watch"):
         assert watch.check() == [] and watch.check() == []
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
-    assert len(errors) == 1 and "7 job(s) stuck" in errors[0]
+    assert len(errors) == 1 and "7 jobs stuck" in errors[0]
     assert "delete_member" in errors[0] and _API.asked == []
     # With REPAIR_STUCK, it forces the election itself, once per queue for a while.
     with override_settings(DEFERRED=base):

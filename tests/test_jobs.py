@@ -74,3 +74,19 @@ def test_django_tasks_fields_round_trip_and_stay_out_of_plain_jobs():
     broken = framework.to_dict() | {"workers": [1]}
     with pytest.raises(BrokenMessage, match="workers"):
         Job.decode(json.dumps(broken).encode())
+
+
+@pytest.mark.parametrize(
+    ("failed_at", "expected"),
+    [
+        ("2026-11-25T14:03:09.123456+00:00", datetime(2026, 11, 25, 14, 3, 9, 123456, tzinfo=UTC)),
+        ("2026-11-25T14:03:09", datetime(2026, 11, 25, 14, 3, 9, tzinfo=UTC)),  # naive: UTC
+        ("yesterday", None),
+        (None, None),
+    ],
+)
+def test_failed_at_time_reads_the_record_or_gives_none(failed_at, expected) -> None:
+    from deferred.failures import FailedJob
+
+    entry = FailedJob("id", "t", "task_error", 1, None, None, None, failed_at, None)
+    assert entry.failed_at_time == expected

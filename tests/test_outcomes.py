@@ -16,12 +16,13 @@ class Recording(Observer):
         self.calls.append(("outcome", task, queue, outcome, lateness_s, duration_s))
 
 
-def test_the_seven_outcomes_are_the_strings_the_log_and_the_metric_say():
+def test_the_eight_outcomes_are_the_strings_the_log_and_the_metric_say():
     assert [str(o) for o in Outcome] == [
         "succeeded",
         "retrying",
         "failed",
         "cancelled",
+        "superseded",
         "rescheduled",
         "requeued",
         "dropped",

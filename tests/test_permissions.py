@@ -17,6 +17,7 @@ from django.conf import settings as django_settings
 from django.core.management import call_command
 from django.test import override_settings
 
+import deferred
 from deferred import cancel, defer, permissions
 from deferred.conf import get_settings
 from deferred.topology import Plan
@@ -108,6 +109,8 @@ def test_the_publisher_can_defer_and_cancel_and_nothing_else(users, own_topology
     with as_user(publisher):
         job_id = defer(record, 60, "/tmp/never", "by the publisher")
         cancel(job_id)
+        # It reads results: the results stream, and a marker through the ingest exchange.
+        assert deferred.result(job_id).state == "pending"
     assert wait_for(
         lambda: sum(depth(raw_channel, q.name) for q in own_topology.delay_queues) == 1, 5
     )
@@ -145,7 +148,7 @@ def test_the_worker_runs_retries_and_fails_jobs_but_cannot_delete(
         assert wait_for(lambda: depth(raw_channel, own_topology.failed_queue.name) == 1, 10)
         out = StringIO()
         call_command("deferred_failed", "retry", "--all", stdout=out)
-        assert "1 job(s) re-queued" in out.getvalue()
+        assert "1 job re-queued" in out.getvalue()
     ready = own_topology.ready_queues["default"].name
     assert refused(users["worker"], lambda ch: ch.queue_delete(ready))
     assert refused(users["worker"], lambda ch: ch.queue_declare(f"{own_topology.prefix}.mine"))

@@ -36,6 +36,23 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _processes_under(folder: Path) -> list[str]:
+    """Command lines of the processes run from ``folder``: the demo's virtualenv is there."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            line = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (OSError, ValueError):
+            continue
+        if str(folder) in line:
+            found.append(line)
+    return found
+
+
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_demo_command_from_a_fresh_clone(tmp_path: Path, broker_url: str) -> None:
     clone = tmp_path / "clone"
     subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True)
@@ -57,6 +74,7 @@ def test_demo_command_from_a_fresh_clone(tmp_path: Path, broker_url: str) -> Non
         stdout=log.open("w"),
         stderr=subprocess.STDOUT,
         start_new_session=True,
+        preexec_fn=_default_sigint,
     )
     base = f"http://127.0.0.1:{port}"
     opener = urllib.request.build_opener(
@@ -99,6 +117,42 @@ def test_demo_command_from_a_fresh_clone(tmp_path: Path, broker_url: str) -> Non
         ((due_at, ran_at),) = ran()
         assert ran_at >= due_at, "the reminder ran early"
         assert 'class="pending"' not in page()
+
+        # A second demo on the same port says so, and which variable picks another.
+        second = subprocess.run(
+            ["bash", "scripts/demo.sh"],
+            cwd=clone,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert second.returncode == 1, second.stdout + second.stderr
+        assert f"Port {port} is taken" in second.stderr and "PORT=" in second.stderr
+        assert "Demo running" not in second.stdout
+
+        # SIGTERM to the script alone (as `kill PID` does) stops all of it.
+        demo.send_signal(signal.SIGTERM)
+        demo.wait(60)
+        assert not _processes_under(clone), _processes_under(clone)
+
+        # Started again (installed already), SIGINT to the script alone stops all of it too.
+        demo = subprocess.Popen(
+            ["bash", "scripts/demo.sh"],
+            cwd=clone,
+            env=env,
+            stdout=log.open("a"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            # As from a terminal: a shell started in the background (CI under nohup,
+            # say) ignores SIGINT, and bash cannot trap a signal ignored on entry.
+            preexec_fn=_default_sigint,
+        )
+        assert wait_for(serving, 120, interval=1), log.read_text()
+        assert demo.poll() is None, log.read_text()
+        demo.send_signal(signal.SIGINT)
+        demo.wait(60)
+        assert not _processes_under(clone), _processes_under(clone)
     finally:
         if demo.poll() is None:
             os.killpg(demo.pid, signal.SIGINT)

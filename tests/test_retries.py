@@ -111,7 +111,7 @@ def test_failed_jobs_are_listed_retried_and_purged(
     open(flag, "w").close()
     out = StringIO()
     call_command("deferred_failed", "retry", to_retry, stdout=out)
-    assert "1 job(s) re-queued" in out.getvalue()
+    assert "1 job re-queued" in out.getvalue()
     assert wait_for(
         lambda: len([r for r in attempts(records) if r["label"] == "retry-me"]) == 2, 10
     )

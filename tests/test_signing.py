@@ -99,7 +99,7 @@ def test_a_bad_signature_is_retried_only_with_resign(clean, raw_channel, run_wor
     # with --resign it is signed anew and runs.
     out = StringIO()
     call_command("deferred_failed", "retry", job.id, "--resign", stdout=out)
-    assert "1 job(s) re-queued" in out.getvalue()
+    assert "1 job re-queued" in out.getvalue()
     assert wait_for(lambda: labels(records) == ["resigned"], 10)
     # (the outcome is counted once the task has returned: a moment after its record)
     assert wait_for(lambda: worker.outcomes["succeeded"] == 1, 5), worker.outcomes
@@ -182,7 +182,7 @@ def test_an_unsigned_cancel_is_ignored(clean, raw_channel, run_worker, records, 
     worker = run_worker()
     assert wait_for(lambda: labels(records) == ["kept"], 10)
     assert wait_for(lambda: worker.outcomes["cancelled"] == 1, 5)
-    assert any("Ignoring 1 cancel(s)" in m for m in caplog.messages)
+    assert any("Ignoring 1 cancel " in m for m in caplog.messages)
 
 
 def random_body(rng: random.Random) -> bytes:

@@ -314,7 +314,7 @@ def test_status_shows_consumers_failed_jobs_and_an_old_topology(
     out = StringIO()
     call_command("deferred_status", stdout=out)
     text = out.getvalue()
-    assert f"topology {old_id} (old, draining): 1 job(s) pending" in text
+    assert f"topology {old_id} (old, draining): 1 job pending" in text
     assert "failed, all queues: 1" in text
 
 
@@ -354,3 +354,23 @@ def test_watch_prints_one_json_document_per_line_until_interrupted() -> None:
 def test_watch_interval_is_validated() -> None:
     with pytest.raises(CommandError, match=r"at least 0\.1"):
         call_command("deferred_status", "--watch", "0", stdout=StringIO())
+
+
+def test_an_unreadable_cancels_stream_leaves_the_rest_of_the_status(
+    own_topology: Plan, monkeypatch
+) -> None:
+    # Given a cancels stream that cannot be read (a cluster's stream coordinator
+    # unavailable for a while after nodes restarted)
+    from deferred.broker import BrokerUnavailable
+
+    def unreadable(*args: Any, **kwargs: Any) -> None:
+        raise BrokerUnavailable("coordinator_unavailable")
+
+    monkeypatch.setattr(status, "read_cancels", unreadable)
+    # Then the status still shows everything else, and says why the cancels are unknown
+    data = status_json()
+    assert data["pending"] == 0 and data["cancels_in_force"] is None
+    assert data["cancels_error"] == "coordinator_unavailable"
+    out = StringIO()
+    call_command("deferred_status", stdout=out)
+    assert "cancels in force: unknown (coordinator_unavailable)" in out.getvalue()

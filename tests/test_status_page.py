@@ -82,11 +82,33 @@ def test_staff_sees_the_figures_the_chart_and_the_failed_job(
     assert "n/a" in page  # unacked, without the management API
 
 
+def test_one_failed_job_reads_in_the_singular_with_one_time_format(
+    client: Client, staff, failed_job: str
+) -> None:
+    client.force_login(staff)
+    page = client.get("/deferred/").content.decode()
+    # Plurals: no "job(s)" or "Retry all 1"
+    assert "(s)" not in page
+    assert 'value="Retry the failed job"' in page and 'value="Purge the failed job…"' in page
+    assert re.search(r"0</span> cancels in force", page)
+    # The id shortened to its last digits (ids of neighbours share their time
+    # prefix), the full id on a copy button and in the title
+    row = page[page.index(f'data-job-id="{failed_job}"') :]
+    assert f'title="{failed_job}">…{failed_job[-8:]}</code>' in row
+    assert f'data-copy="{failed_job}"' in row
+    # The failure time in the page's one format, and a button that says what it does
+    entry = failures.list_failed(get_settings())[0]
+    assert entry.failed_at_time is not None
+    assert f">{entry.failed_at_time:%Y-%m-%d %H:%M:%S}</time>" in row
+    assert 'value="Never run again"' in row
+    assert re.search(r"Read from the broker at \d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC", page)
+
+
 def test_retry_re_queues_the_job(client: Client, staff, failed_job: str) -> None:
     client.force_login(staff)
     response = client.post("/deferred/failed/retry/", {"id": failed_job}, follow=True)
     assert response.redirect_chain[-1][0] == "/deferred/"
-    assert "1 failed job(s) re-queued." in response.content.decode()
+    assert "1 failed job re-queued." in response.content.decode()
     # It raises again in the worker and comes back: it was run, not dropped
     assert wait_for(lambda: failed_ids() == [failed_job], 15)
 
@@ -103,7 +125,7 @@ def test_purge_asks_for_confirmation_first(client: Client, staff, failed_job: st
     response = client.post(
         "/deferred/failed/purge/", {"id": failed_job, "confirmed": "yes"}, follow=True
     )
-    assert "1 failed job(s) purged." in response.content.decode()
+    assert "1 failed job purged." in response.content.decode()
     assert failed_ids() == []
 
 
@@ -173,7 +195,7 @@ def test_cancel_a_failed_job_then_a_retry_of_it_is_dropped(
     # When staff cancels the failed job
     response = client.post("/deferred/cancel/", {"id": failed_job}, follow=True)
     page = response.content.decode()
-    assert "1 job(s) cancelled" in page
+    assert "1 job cancelled" in page
     # Then the page counts the cancel and shows the entry as cancelled, with no Retry
     assert response.context["snapshot"].cancels >= 1
     row = re.search(rf'data-job-id="{failed_job}".*?</tr>', page, re.S)
@@ -192,7 +214,7 @@ def test_cancel_jobs_by_id_from_the_form(client: Client, staff, own_topology, tm
     first, second = (defer(record, timedelta(minutes=10), path, "later") for _ in range(2))
     client.force_login(staff)
     response = client.post("/deferred/cancel/", {"ids": f"{first}, {second}"}, follow=True)
-    assert "2 job(s) cancelled" in response.content.decode()
+    assert "2 jobs cancelled" in response.content.decode()
     assert re.search(r'id="deferred-cancels-count">\s*2<', response.content.decode())
     assert (
         "No job id was given."

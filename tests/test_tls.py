@@ -7,6 +7,7 @@ them; if it cannot start, the tests fail: they never skip.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import urllib.parse
 from collections.abc import Iterator
@@ -19,7 +20,7 @@ from django.core.management import call_command
 from django.test import override_settings
 
 from deferred import defer
-from deferred.broker import BrokerUnavailable
+from deferred.broker import BrokerUnavailable, server_version
 from deferred.cluster import management_api
 from deferred.conf import get_settings
 from tests.conftest import wait_for
@@ -28,13 +29,24 @@ from tests.testapp.tasks import read_records, record
 ROOT = Path(__file__).resolve().parent.parent
 PORT = 5691
 URL = f"amqps://guest:guest@localhost:{PORT}/%2F"
-CERTS = Path("/tmp/deferred-tls/certs")
+#: Where scripts/tls-node.sh keeps its certificates (in the folder of a
+#: ``rabbitmq-release.sh VERSION run``, when the suite runs in one).
+CERTS = (
+    Path(
+        os.environ.get("DEFERRED_TLS_DIR")
+        or Path(os.environ.get("DEFERRED_RABBITMQ_RUN_DIR", "/tmp")) / "deferred-tls"
+    )
+    / "certs"
+)
+#: What the script needs from the suite's environment: the release to run, its folder.
+PASSED_ON = ("HOME", "DEFERRED_RABBITMQ_RELEASE", "DEFERRED_RABBITMQ_RUN_DIR", "DEFERRED_TLS_DIR")
 
 
 @pytest.fixture(scope="module")
 def tls_node() -> Iterator[Path]:
     script = str(ROOT / "scripts" / "tls-node.sh")
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin"}
+    env.update({name: os.environ[name] for name in PASSED_ON if name in os.environ})
     try:
         started = subprocess.run(
             [script, "start"], capture_output=True, text=True, timeout=120, env=env
@@ -73,6 +85,11 @@ def test_with_the_right_ca_and_a_client_certificate_jobs_run(tls_node, run_worke
         out = StringIO()
         call_command("deferred_status", "--json", stdout=out)
         assert json.loads(out.getvalue())["unacked"] is not None
+        # And the node is the release the suite runs against, not the local one.
+        release = os.environ.get("DEFERRED_RABBITMQ_RELEASE")
+        if release:
+            version = server_version(get_settings().broker_urls)
+            assert ".".join(map(str, version)).startswith(release + "."), version
 
 
 def test_the_url_ssl_options_of_pika_work_too(tls_node, run_worker, records):

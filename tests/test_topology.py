@@ -255,10 +255,10 @@ def test_every_queue_names_its_type_and_quorum_ones_their_delivery_limit(queue_t
         delivery_limit=7,
     )
     for queue in plan.all_queues:
-        expected = "stream" if queue is plan.cancels_queue else queue_type
+        expected = "stream" if queue in plan.streams else queue_type
         assert queue.arguments["x-queue-type"] == expected, queue.name
         limit = queue.arguments.get("x-delivery-limit")
-        if queue_type == "classic" or queue is plan.cancels_queue:
+        if queue_type == "classic" or queue in plan.streams:
             assert limit is None, queue.name  # classic queues and streams refuse one
         elif queue.name in (plan.ready_queues["default"].name, plan.hold_queues["default"].name):
             assert limit == 7

@@ -134,13 +134,24 @@ def test_queues_are_drained_soonest_due_first_old_topologies_included() -> None:
     record = json.loads(old.record())
     order = source_queues(current, [record])
     names = [q.name for q in order]
-    # Due now, then due within the hold window, then the delay queues by TTL.
-    assert names[:4] == ["app.ready.default", "app.ready.mail", "app.hold.default", "app.hold.mail"]
-    assert all(q.ready for q in order[:4]) and not any(q.ready for q in order[4:])
+    # Due now, then due within the hold window (each with the queues of the other
+    # PRIORITIES setting, which older topologies may still fill), then the delay
+    # queues by TTL.
+    assert names[:8] == [
+        "app.ready.default",
+        "app.ready.mail",
+        "app.ready.p9.default",
+        "app.ready.p9.mail",
+        "app.hold.default",
+        "app.hold.mail",
+        "app.hold.p9.default",
+        "app.hold.p9.mail",
+    ]
+    assert all(q.ready for q in order[:8]) and not any(q.ready for q in order[8:])
     assert names[-1] == "app.failed" and order[-1].kind == FAILED
     delay = {q.name: q.ttl_ms for q in (*current.delay_queues, *old.delay_queues)}
-    assert set(names[4:-1]) == set(delay)
-    assert [delay[n] for n in names[4:-1]] == sorted(delay.values())
+    assert set(names[8:-1]) == set(delay)
+    assert [delay[n] for n in names[8:-1]] == sorted(delay.values())
 
 
 def test_a_sweep_counts_the_queues_in_the_order_messages_flow_through_them() -> None:
@@ -154,8 +165,12 @@ def test_a_sweep_counts_the_queues_in_the_order_messages_flow_through_them() -> 
     assert [q.name for q in swept[len(ttls) :]] == [
         "app.hold.default",
         "app.hold.mail",
+        "app.hold.p9.default",
+        "app.hold.p9.mail",
         "app.ready.default",
         "app.ready.mail",
+        "app.ready.p9.default",
+        "app.ready.p9.mail",
         "app.failed",
     ]
     levels = [q.level for q in p.delay_queues]

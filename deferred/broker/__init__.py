@@ -12,6 +12,7 @@ know pika. One module per role, each importing only those before it:
 - ``admin``: declaring, checking, reading and taking from queues;
 - ``consumer``: the worker's consuming connection;
 - ``streams``: reading and following a stream (the cancels);
+- ``results``: writing result records, and reading the stream by timestamp;
 - ``lease``: leadership among workers (the scheduler).
 """
 
@@ -38,6 +39,7 @@ from deferred.broker.connection import (
     open_connection,
     parameters,
     safe_url,
+    server_version,
     tls_context,
     vhost_of,
 )
@@ -53,6 +55,7 @@ from deferred.broker.errors import (
 )
 from deferred.broker.lease import Lease
 from deferred.broker.publisher import Outgoing, Publisher, _publisher, publisher, send_record
+from deferred.broker.results import ResultReader, ResultWriter, Written
 from deferred.broker.streams import StreamFollower
 
 __all__ = [
@@ -72,12 +75,15 @@ __all__ = [
     "PublishRefused",
     "Publisher",
     "QueueStats",
+    "ResultReader",
+    "ResultWriter",
     "StreamFollower",
     "StreamGone",
     "Taken",
     "TopologyConflict",
     "TopologyNotDeclared",
     "Urls",
+    "Written",
     "_publisher",  # the tests clear its cache
     "admin_channel",
     "answers",
@@ -91,6 +97,7 @@ __all__ = [
     "publisher",
     "safe_url",
     "send_record",
+    "server_version",
     "tls_context",
     "verify_exchange",
     "verify_topology",

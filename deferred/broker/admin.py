@@ -8,7 +8,7 @@ import logging
 import re
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
@@ -24,6 +24,7 @@ from deferred.broker.connection import (
     Node,
     Urls,
     close_quietly,
+    hide_pika_lines,
     open_connection,
     within_deadline,
 )
@@ -125,12 +126,10 @@ def _placement_conflict(exc: px.ChannelClosedByBroker) -> tuple[str, Any] | None
     return match["name"], value
 
 
-class _HideProbeMisses(logging.Filter):
-    """pika warns about every channel the broker closes, including the 404 that
-    answers "does this queue exist?"; those are expected here, not news."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "NOT_FOUND" not in record.getMessage()
+def quiet_probes() -> AbstractContextManager[None]:
+    """Hide pika's warnings of the 404s that answer "does this queue exist?": pika
+    warns about every channel the broker closes; those are expected, not news."""
+    return hide_pika_lines("pika.channel", "NOT_FOUND")
 
 
 @contextmanager
@@ -143,25 +142,22 @@ def admin_channel(urls: Urls, *, timeout: float | None = None) -> Iterator[Admin
     """
     deadline = None if timeout is None else time.monotonic() + timeout
     connection, node = open_connection(urls, timeout=timeout)
-    quiet = _HideProbeMisses()
-    pika_channel_logger = logging.getLogger("pika.channel")
-    pika_channel_logger.addFilter(quiet)
-    try:
-        if deadline is None:
-            yield Admin(connection, node)
-        else:
-            with within_deadline(connection, deadline - time.monotonic()):
+    with quiet_probes():
+        try:
+            if deadline is None:
                 yield Admin(connection, node)
-    except px.AMQPConnectionError as exc:
-        node.lost()
-        raise BrokerUnavailable(
-            f"Lost the connection to RabbitMQ at {node.address}: {exc!r}"
-        ) from exc
-    except px.AMQPError as exc:
-        raise BrokerError(f"RabbitMQ refused an operation: {exc!r}") from exc
-    finally:
-        pika_channel_logger.removeFilter(quiet)
-        close_quietly(connection)
+            else:
+                with within_deadline(connection, deadline - time.monotonic()):
+                    yield Admin(connection, node)
+        except px.AMQPConnectionError as exc:
+            node.lost()
+            raise BrokerUnavailable(
+                f"Lost the connection to RabbitMQ at {node.address}: {exc!r}"
+            ) from exc
+        except px.AMQPError as exc:
+            raise BrokerError(f"RabbitMQ refused an operation: {exc!r}") from exc
+        finally:
+            close_quietly(connection)
 
 
 class Admin:
@@ -257,13 +253,20 @@ class Admin:
                     arguments[name] = value
                 continue
             if kept and any(k.split("=")[0] in RETENTION_ARGUMENTS for k in kept):
+                results = queue.name.endswith(".results")
+                source = "RESULT_TTL" if results else "MAX_DELAY + CANCEL_MARGIN"
+                risk = (
+                    "results are kept as long as the stream's own retention says"
+                    if results
+                    else "cancels may be forgotten before their jobs are due"
+                )
                 return (
                     f"stream {queue.name} exists with other retention ({', '.join(kept)}); "
                     f"it is used as it is. The settings ask for {queue.arguments.get('x-max-age')} "
-                    "(MAX_DELAY + CANCEL_MARGIN): apply it with a policy (`rabbitmqctl "
-                    f"set_policy --apply-to queues deferred-cancels '^{re.escape(queue.name)}$' "
-                    f'\'{{"max-age":"{queue.arguments.get("x-max-age")}"}}\'`), or cancels '
-                    "may be forgotten before their jobs are due"
+                    f"({source}): apply it with a policy (`rabbitmqctl set_policy --apply-to "
+                    f"queues deferred-{'results' if results else 'cancels'} "
+                    f"'^{re.escape(queue.name)}$' "
+                    f'\'{{"max-age":"{queue.arguments.get("x-max-age")}"}}\'`), or {risk}'
                 )
             limits = {
                 POLICY_ARGUMENTS[k.split("=")[0]]: queue.arguments[k.split("=")[0]]
@@ -381,6 +384,38 @@ class Admin:
                 pika.BasicProperties(delivery_mode=PERSISTENT, content_type="application/json"),
             )
 
+    def stream_span(self, stream: str, wait_s: float = 0.5) -> int | None:
+        """About how many messages stream ``stream`` keeps; ``None`` if it does not exist.
+
+        A passive declare says 0 for any stream, so this reads the offset of
+        the first message and of the last chunk (one delivery each, at once
+        when there is one; an empty stream answers nothing, and costs
+        ``wait_s``). The last chunk counts as one message: a lower bound.
+        """
+        if self.queue_stats(stream) is None:
+            return None
+        offsets = []
+        for where in ("first", "last"):
+            channel = self.connection.channel()
+            got: list[int] = []
+
+            def seen(_ch: Any, _m: Any, props: Any, _b: bytes, got: list[int] = got) -> None:
+                got.append(int((props.headers or {}).get("x-stream-offset", -1)))
+
+            try:
+                channel.basic_qos(prefetch_count=1)
+                channel.basic_consume(stream, seen, arguments={"x-stream-offset": where})
+                deadline = time.monotonic() + wait_s
+                while not got and time.monotonic() < deadline:
+                    self.connection.process_data_events(time_limit=0.02)
+            finally:
+                if channel.is_open:
+                    channel.close()
+            if not got or got[0] < 0:
+                return 0
+            offsets.append(got[0])
+        return max(0, offsets[1] - offsets[0] + 1)
+
     @contextmanager
     def take_all(self, queue: str) -> Iterator[tuple[BlockingChannel, list[Taken]]]:
         """Every message of ``queue``, taken unacked on a channel of their own.
@@ -470,6 +505,25 @@ class Admin:
         for exchange in plan.exchanges:
             self.channel.exchange_delete(exchange.name)
         self.forget_topology(plan, plan.topology_id)
+
+    def delete_if_empty(self, name: str) -> bool:
+        """Delete queue ``name`` if no message is ready in it (the broker checks
+        atomically; it does not count messages delivered and not yet acked: the caller
+        knows where those go); whether it is gone now (missing counts as gone)."""
+        try:
+            self.channel.queue_delete(name, if_empty=True)
+        except px.ChannelClosedByBroker:
+            self._reopen()
+            return False
+        return self.queue_stats(name) is None
+
+    def delete(self, queues: Sequence[str], exchanges: Sequence[str]) -> None:
+        """Delete ``queues`` (messages included) then ``exchanges``; what does not exist is
+        no error. For ``declare_delay_topology --delete``, which asked first."""
+        for queue in queues:
+            self.channel.queue_delete(queue)
+        for exchange in exchanges:
+            self.channel.exchange_delete(exchange)
 
     def delete_everything(self, plan: Plan) -> None:
         """Delete the topology and its shared queues, messages included (tests only).

@@ -276,6 +276,23 @@ def answers(url: str, timeout: float = 1.0) -> bool:
     return True
 
 
+def server_version(urls: Urls, *, timeout: float = 5.0) -> tuple[int, ...]:
+    """The RabbitMQ release of the first node that answers, e.g. ``(4, 3, 6)``, from
+    what it says when a connection opens; ``BrokerUnavailable`` if none answers."""
+    connection, _ = open_connection(urls, timeout=timeout)
+    try:
+        raw = connection._impl.server_properties.get("version", b"0")
+    finally:
+        close_quietly(connection)
+    text = raw.decode() if isinstance(raw, bytes) else str(raw)
+    parts = []
+    for part in text.split("-")[0].split(".")[:3]:
+        if not part.isdigit():
+            break
+        parts.append(int(part))
+    return tuple(parts)
+
+
 def connect(urls: Urls, *, timeout: float | None = None) -> pika.BlockingConnection:
     """Open a connection to the first node that answers (see :func:`open_connection`)."""
     return open_connection(urls, timeout=timeout)[0]
@@ -350,3 +367,25 @@ def setting_up(connection: pika.BlockingConnection, node: Node, doing: str) -> I
     except BaseException:
         close_quietly(connection)
         raise
+
+
+class _HideLines(logging.Filter):
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text = text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.text not in record.getMessage()
+
+
+@contextmanager
+def hide_pika_lines(logger_name: str, text: str) -> Iterator[None]:
+    """Hide the lines of pika's logger ``logger_name`` that contain ``text``, in the
+    block: what pika reports as news that is expected where it is used."""
+    quiet = _HideLines(text)
+    pika_logger = logging.getLogger(logger_name)
+    pika_logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        pika_logger.removeFilter(quiet)

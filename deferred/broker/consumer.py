@@ -15,15 +15,26 @@ Held jobs (the last mile, :mod:`deferred.holding`) come from the hold queues,
 each through a consumer of its own whose prefetch is the worker's hold
 allowance (``HOLD_PREFETCH``): held jobs are counted apart from the jobs to
 run, and never take their slots.
+
+Legacy queues: the FIFO ready and hold queues of a prefix whose topology has
+moved to priority queues, where older topologies still deliver. Nothing runs
+from them: a consumer on a channel of its own forwards each message to the
+queue that replaced its queue (``forward``, a confirmed publish) and only then
+acks it, outside the slots, so they cost the worker's jobs nothing. They are
+looked for at each connect; when ``declare_delay_topology --remove-empty``
+deletes one, RabbitMQ cancels its consumer and the worker goes on without it.
+A message delivered to the forwarder when its queue went is still forwarded:
+the ack is what fails, on the forwarder's channel alone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -32,7 +43,7 @@ import pika
 import pika.exceptions as px
 from pika.adapters.blocking_connection import BlockingChannel
 
-from deferred.broker.admin import admin_channel, declared_queue
+from deferred.broker.admin import admin_channel, declared_queue, quiet_probes
 from deferred.broker.connection import (
     CONNECTION_ERRORS,
     Node,
@@ -52,6 +63,8 @@ PROBE_FIRST_S = 0.002
 #: and the wait doubles while they stay empty, up to this: how late a job may
 #: start for want of a consumer on its queue, against how often an idle worker asks.
 PROBE_CAP_S = 0.05
+#: Messages of the legacy queues in flight to the forwarder at once.
+FORWARD_PREFETCH = 50
 
 
 @dataclass(frozen=True)
@@ -69,6 +82,8 @@ class Delivery:
     message_id: str | None = None
     #: From a hold queue: a job due within the hold window, to be held.
     hold: bool = False
+    #: Its AMQP priority (0-9), as published; ``None`` if it had none.
+    priority: int | None = None
 
 
 def pinned_prefetch(limit: int, queues: Sequence[str]) -> dict[str, int]:
@@ -188,9 +203,18 @@ class Consumer:
         *,
         hold_queues: Sequence[str] = (),
         hold_prefetch: int = 0,
+        legacy_queues: Mapping[str, str] | None = None,
+        forward: Callable[[str, bytes, str | None, dict[str, Any]], None] | None = None,
     ) -> None:
         self.urls = as_urls(urls)
         self.queues = queues
+        #: Legacy queue -> the queue its messages are forwarded to (see above).
+        self.legacy_queues = dict(legacy_queues or {})
+        #: Publishes one message to a queue, confirmed (``BrokerError`` if it cannot).
+        self._forward = forward
+        #: The legacy queues forwarded on the current connection.
+        self.forwarding: list[str] = []
+        self._forward_channel: BlockingChannel | None = None
         #: The most unacked deliveries held at once, all queues together.
         self.prefetch = prefetch
         self.hold_queues = list(hold_queues)
@@ -237,8 +261,51 @@ class Consumer:
             for queue, prefetch in hold_prefetch(self.hold_prefetch, self.hold_queues).items():
                 channel.basic_qos(prefetch_count=prefetch)
                 self._tags.append(channel.basic_consume(queue, partial(self._to_hold, queue)))
+            self._start_forwarding(connection)
         self._connection, self._channel, self.node = connection, channel, node
         self._slots, self._taking = slots, True
+
+    def _start_forwarding(self, connection: pika.BlockingConnection) -> None:
+        """Consume the legacy queues that exist, on a channel of their own."""
+        found = _existing(connection, list(self.legacy_queues)) if self._forward else []
+        self.forwarding, self._forward_channel = found, None
+        if not found:
+            return
+        channel = connection.channel()
+        channel.basic_qos(prefetch_count=FORWARD_PREFETCH)
+        channel.add_on_cancel_callback(self._forward_cancelled)
+        for queue in found:
+            channel.basic_consume(queue, partial(self._forwarded, queue))
+        self._forward_channel = channel
+        logger.info(
+            "Forwarding the queues %s (older topologies still deliver there) to the "
+            "queues that replaced them when PRIORITIES changed.",
+            ", ".join(found),
+        )
+
+    def _forwarded(
+        self, queue: str, channel: BlockingChannel, method: Any, props: Any, body: bytes
+    ) -> None:
+        """On the I/O thread: a legacy queue's message goes on to its new queue, then is acked."""
+        assert self._forward is not None
+        target = self.legacy_queues[queue]
+        try:
+            self._forward(target, body, props.message_id, dict(props.headers or {}))
+        except Exception as exc:  # noqa: BLE001 - left in its queue, forwarded later
+            logger.warning("Could not forward a message from %s to %s: %s", queue, target, exc)
+            with contextlib.suppress(*CONNECTION_ERRORS, px.AMQPChannelError):
+                channel.basic_nack(method.delivery_tag, requeue=True)
+            return
+        try:
+            channel.basic_ack(method.delivery_tag)
+        except (*CONNECTION_ERRORS, px.AMQPChannelError):
+            # Its queue went meanwhile: the message is in its new queue already.
+            logger.info("Forwarded a message of %s after that queue was deleted.", queue)
+
+    def _forward_cancelled(self, method: Any) -> None:
+        # A legacy queue deleted (--remove-empty): nothing more to forward from it.
+        tag = str(getattr(method.method, "consumer_tag", "?"))
+        logger.info("RabbitMQ cancelled the forwarding of a replaced queue (%s): it is gone.", tag)
 
     def _pushed(
         self, queue: str, channel: BlockingChannel, method: Any, props: Any, body: bytes
@@ -269,6 +336,7 @@ class Consumer:
             headers=dict(props.headers or {}),
             message_id=props.message_id,
             hold=hold,
+            priority=props.priority,
         )
 
     def _roam(self) -> None:
@@ -324,6 +392,10 @@ class Consumer:
     def cancel(self) -> None:
         """Stop taking new messages; unacked ones stay with us until acked."""
         self._taking = False
+        forwarding, self._forward_channel = self._forward_channel, None
+        if forwarding is not None and forwarding.is_open:
+            with contextlib.suppress(*CONNECTION_ERRORS, px.AMQPChannelError):
+                forwarding.close()  # what it had not acked goes back to its queue
         channel, self._tags = self._channel, []
         if channel is None or not channel.is_open:
             return
@@ -407,7 +479,7 @@ class Consumer:
         Returns `` at NODE`` for messages (empty when not connected).
         """
         connection, node = self._connection, self.node
-        self._connection = self._channel = self.node = None
+        self._connection = self._channel = self._forward_channel = self.node = None
         self._tags, self._slots, self._taking = [], None, False
         if connection is not None:
             close_quietly(connection)
@@ -435,3 +507,20 @@ def peek(
             raise TopologyNotDeclared(f"Queue {queue!r} does not exist. {NOT_DECLARED_HINT}")
         with admin.take_all(queue) as (_channel, taken):
             return [(message.body, message.headers) for message in taken]
+
+
+def _existing(connection: pika.BlockingConnection, queues: Sequence[str]) -> list[str]:
+    """Those of ``queues`` that exist (a passive declare each, on a channel of their own)."""
+    found: list[str] = []
+    if not queues:
+        return found
+    channel = connection.channel()
+    with quiet_probes():
+        for queue in queues:
+            try:
+                channel.queue_declare(queue, passive=True)
+                found.append(queue)
+            except px.ChannelClosedByBroker:  # 404: gone, nothing to drain
+                channel = connection.channel()
+    channel.close()
+    return found

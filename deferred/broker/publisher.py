@@ -116,9 +116,13 @@ class Publisher:
         *,
         message_id: str,
         headers: dict[str, Any] | None = None,
+        priority: int | None = None,
     ) -> None:
-        """Publish one persistent message and wait for the broker's confirm."""
-        properties = _properties(message_id, headers)
+        """Publish one persistent message and wait for the broker's confirm.
+
+        ``priority``: the AMQP priority (0-9, :func:`deferred.priorities.level`).
+        """
+        properties = _properties(message_id, headers, priority)
 
         def send() -> None:
             channel = self._confirm_channel()
@@ -323,7 +327,7 @@ class _ConfirmedBatches:
                     message.exchange,
                     message.routing_key,
                     message.body,
-                    _properties(message.message_id, message.headers),
+                    _properties(message.message_id, message.headers, message.priority),
                     mandatory=True,
                 )
             self.channel._flush_output(lambda: not self._pending)
@@ -345,14 +349,19 @@ class Outgoing:
     body: bytes
     message_id: str
     headers: dict[str, Any] | None = None
+    #: The AMQP priority (0-9); ``None``: none (a record, not a job).
+    priority: int | None = None
 
 
-def _properties(message_id: str, headers: dict[str, Any] | None) -> pika.BasicProperties:
+def _properties(
+    message_id: str, headers: dict[str, Any] | None, priority: int | None = None
+) -> pika.BasicProperties:
     return pika.BasicProperties(
         content_type="application/json",
         delivery_mode=PERSISTENT,
         message_id=message_id,
         headers=headers or None,
+        priority=priority,
     )
 
 

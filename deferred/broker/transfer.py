@@ -23,7 +23,7 @@ import pika
 import pika.exceptions as px
 from pika.adapters.blocking_connection import BlockingChannel
 
-from deferred.broker.admin import Admin, QueueStats, _HideProbeMisses
+from deferred.broker.admin import Admin, QueueStats, quiet_probes
 from deferred.broker.connection import (
     CONNECTION_ERRORS,
     NOT_FOUND,
@@ -94,20 +94,20 @@ class Side:
     def __init__(self, urls: Urls, role: str) -> None:
         self.urls = as_urls(urls)
         self.role = role
-        self._quiet = _HideProbeMisses()
+        self._quiet = quiet_probes()
         connection, node = open_connection(self.urls, heartbeat=HEARTBEAT_S)
         with setting_up(connection, node, f"open a channel on the {role}"):
             self.admin = Admin(connection, node)
         self.connection: pika.BlockingConnection = connection
         self.node: Node = node
-        logging.getLogger("pika.channel").addFilter(self._quiet)
+        self._quiet.__enter__()
 
     @property
     def address(self) -> str:
         return self.node.address
 
     def close(self) -> None:
-        logging.getLogger("pika.channel").removeFilter(self._quiet)
+        self._quiet.__exit__(None, None, None)
         close_quietly(self.connection)
 
     @contextmanager

@@ -8,6 +8,10 @@ app_name = "reminders"
 
 urlpatterns = [
     path("", views.index, name="index"),
+    path("live", views.live, name="live"),
+    path("changes-digest", views.request_changes_digest, name="changes_digest"),
+    path("favicon.svg", views.favicon, name="favicon"),
+    path("favicon.ico", views.favicon),
     path("reminders/<int:pk>/cancel", views.cancel_reminder, name="cancel"),
     path("healthz", views.healthz, name="healthz"),
 ]

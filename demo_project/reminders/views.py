@@ -1,4 +1,8 @@
-"""The one page of the demo: schedule a reminder, watch it run.
+"""The one page of the demo: schedule a reminder, watch it run (or fail).
+
+The page refreshes only its live part (the reminders and the digest, from
+``live``) by a small script, so that what the user is typing and the
+confirmation stay put; without JavaScript it reloads whole, as a fallback.
 
 The reminder's row and its job are created in one transaction: ``defer()``
 publishes after the commit, so the worker never receives a job whose row is
@@ -18,18 +22,33 @@ from django.views.decorators.http import require_GET, require_http_methods, requ
 
 from deferred import BrokerError, cancel, defer
 from demo_project.reminders.forms import ReminderForm
-from demo_project.reminders.models import Digest, Reminder
-from demo_project.reminders.tasks import send_reminder
+from demo_project.reminders.models import ChangeRequest, Digest, Outcome, Reminder
+from demo_project.reminders.tasks import (
+    CHANGES_DELAY_S,
+    CHANGES_KEY,
+    changes_digest,
+    send_reminder,
+)
 
 #: How many reminders the page lists, newest first.
 LIST_LENGTH = 50
 #: How many runs of the recurring digest the page lists.
 DIGESTS_SHOWN = 5
-#: Seconds between reloads of the page while a reminder is pending.
+#: Seconds between refreshes of the live part while a reminder is pending.
 REFRESH_SECONDS = 2
+#: Seconds between refreshes otherwise: the digest still changes every minute.
+IDLE_REFRESH_SECONDS = 15
+
+#: The favicon: an SVG, which every current browser takes.
+FAVICON = (
+    '<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 64 64">'
+    '<circle cx="32" cy="32" r="28" fill="#2f6fdf"/>'
+    '<path d="M32 14v19l12 8" stroke="#fff" stroke-width="6" fill="none" '
+    'stroke-linecap="round" stroke-linejoin="round"/></svg>'
+)
 
 
-def schedule_reminder(message: str, delay_seconds: float) -> Reminder:
+def schedule_reminder(message: str, delay_seconds: float, outcome: str = Outcome.RUN) -> Reminder:
     """Store a reminder and defer its job, published when the transaction commits."""
     now = timezone.now()
     with transaction.atomic():
@@ -38,6 +57,7 @@ def schedule_reminder(message: str, delay_seconds: float) -> Reminder:
             delay_seconds=delay_seconds,
             created_at=now,
             due_at=now + timedelta(seconds=delay_seconds),
+            outcome=outcome,
         )
         # The row's own due time: the page and the job agree on when it is due.
         reminder.job_id = defer(send_reminder, reminder.due_at, reminder.pk)
@@ -52,26 +72,68 @@ def index(request: HttpRequest) -> HttpResponse:
         form = ReminderForm(request.POST)
         if form.is_valid():
             reminder = schedule_reminder(
-                form.cleaned_data["message"], form.cleaned_data["delay_seconds"]
+                form.cleaned_data["message"],
+                form.cleaned_data["delay_seconds"],
+                form.cleaned_data["outcome"] or Outcome.RUN,
+            )
+            then = (
+                ""
+                if reminder.outcome == Outcome.RUN
+                else f", then {reminder.get_outcome_display().lower()}"
             )
             messages.success(
                 request,
-                f"Reminder scheduled to run in {reminder.delay_seconds:g} s "
+                f"Reminder scheduled to run in {reminder.delay_seconds:g} s{then} "
                 f"(job {reminder.job_id}).",
             )
             return redirect("reminders:index")
     else:
         form = ReminderForm()
+    return render(request, "reminders/index.html", {"form": form, **_live_context()})
 
+
+@require_POST
+def request_changes_digest(request: HttpRequest) -> HttpResponse:
+    """ "Send me a digest of my changes": each click defers the digest again, with one
+    debounce key, so it goes out once, ``CHANGES_DELAY_S`` after the last click."""
+    with transaction.atomic():
+        change = ChangeRequest.objects.create()
+        change.job_id = defer(changes_digest.using(key=CHANGES_KEY), CHANGES_DELAY_S)
+        change.save(update_fields=["job_id"])
+    messages.success(
+        request,
+        f"Digest requested: it goes out {CHANGES_DELAY_S} s after your last click "
+        f"(job {change.job_id} replaces the jobs of the clicks before).",
+    )
+    return redirect("reminders:index")
+
+
+@require_GET
+def live(request: HttpRequest) -> HttpResponse:
+    """The part of the page that changes: the reminders and the digest, for the page's script."""
+    return render(request, "reminders/_live.html", _live_context())
+
+
+def _live_context() -> dict[str, object]:
     reminders = list(Reminder.objects.order_by("-created_at", "-pk")[:LIST_LENGTH])
-    context = {
-        "form": form,
+    changes = list(ChangeRequest.objects.all()[:DIGESTS_SHOWN])
+    pending = any(r.pending for r in reminders) or any(c.sent_at is None for c in changes)
+    return {
         "reminders": reminders,
         "digests": list(Digest.objects.all()[:DIGESTS_SHOWN]),
-        # Reload only while there is something to watch.
-        "refresh_seconds": REFRESH_SECONDS if any(r.pending for r in reminders) else None,
+        "changes": changes,
+        "changes_delay_s": CHANGES_DELAY_S,
+        "pending": pending,
+        "refresh_seconds": REFRESH_SECONDS if pending else IDLE_REFRESH_SECONDS,
     }
-    return render(request, "reminders/index.html", context)
+
+
+@require_GET
+def favicon(request: HttpRequest) -> HttpResponse:
+    """The page's icon, also at /favicon.ico, where browsers look without being told."""
+    response = HttpResponse(FAVICON, content_type="image/svg+xml")
+    response["Cache-Control"] = "max-age=86400"
+    return response
 
 
 @require_POST

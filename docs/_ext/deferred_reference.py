@@ -2,10 +2,11 @@
 
 Directives:
 
-- ``deferred-settings``: every key of ``deferred.conf.DEFAULTS`` with its
-  default and the comment written above it in ``conf.py``;
+- ``deferred-settings``: every key of ``deferred.conf.DEFAULTS``, grouped by
+  topic (``SETTING_TOPICS``), each with its anchor, its default and the
+  comment written above it in ``conf.py``;
 - ``deferred-commands``: every management command of the app with its
-  ``--help``, as Django's own parser prints it;
+  ``--help``, minus the options Django gives every command;
 - ``deferred-failure-reasons``: every reason a job can have in the failed
   queue, with the ``#:`` comment of the constant that names it;
 - ``deferred-log-line``: the worker's line per job, as ``deferred.worker``
@@ -14,18 +15,25 @@ Directives:
 
 from __future__ import annotations
 
+import argparse
 import ast
+import functools
 import importlib
 import io
 import logging
 import pkgutil
+import re
 import tokenize
+from collections.abc import Iterable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from anchors import slug
 from docutils import nodes
 from sphinx.application import Sphinx
+from sphinx.config import Config
+from sphinx.errors import ExtensionError
 from sphinx.pycode import ModuleAnalyzer
 from sphinx.util.docutils import SphinxDirective
 
@@ -65,11 +73,13 @@ def _literal(text: str) -> nodes.paragraph:
 
 
 def _default(value: Any) -> str:
+    """A default as a reader would write it: durations in their largest whole unit."""
     if isinstance(value, timedelta):
-        seconds = value.total_seconds()
-        if seconds >= 86400 and seconds % 86400 == 0:
-            return f"{seconds / 86400:g} days"
-        return f"{seconds:g} s"
+        ms = value / timedelta(milliseconds=1)
+        for unit, size in (("days", 86_400_000), ("h", 3_600_000), ("min", 60_000), ("s", 1000)):
+            if ms >= size and ms % size == 0:
+                return f"{ms / size:g} {unit}"
+        return f"{ms:g} ms"
     return repr(value)
 
 
@@ -84,9 +94,9 @@ def setting_comments(source: str) -> dict[str, str]:
             and "DEFAULTS"
             in ast.unparse(node.targets[0] if isinstance(node, ast.Assign) else node.target)
         ):
-            for key in node.value.keys:
-                if isinstance(key, ast.Constant) and isinstance(key.value, str):
-                    keys[key.lineno] = key.value
+            for key_node in node.value.keys:
+                if isinstance(key_node, ast.Constant) and isinstance(key_node.value, str):
+                    keys[key_node.lineno] = key_node.value
     comments: dict[int, str] = {}
     for token in tokenize.generate_tokens(io.StringIO(source).readline):
         if token.type == tokenize.COMMENT:
@@ -102,29 +112,226 @@ def setting_comments(source: str) -> dict[str, str]:
     return found
 
 
+#: The settings page's sections, in page order, each with its keys in reading
+#: order: the key a project sets first, then the ones that refine it (an A-Z
+#: list of every key heads the page). A key belongs where its comment in
+#: deferred/conf.py says its effect is felt: CONSUMER_TIMEOUT is a queue
+#: argument but bounds how long a worker may run a job, so it sits with the
+#: worker; the TLS_* keys only shape the broker connection. Every key of
+#: DEFAULTS is in exactly one section, or the build fails
+#: (:func:`check_setting_topics`), so a new setting cannot be left off the page.
+SETTING_TOPICS: dict[str, tuple[str, ...]] = {
+    "Broker connection": (
+        "BROKER_URL",
+        "TLS_CA_FILE",
+        "TLS_CERT_FILE",
+        "TLS_KEY_FILE",
+        "TLS_SERVER_NAME",
+        "MANAGEMENT_URL",
+    ),
+    "Publishing: defer()": ("PUBLISH_TIMEOUT", "ON_COMMIT", "MAX_MESSAGE_BYTES"),
+    "Topology and delays": (
+        "PREFIX",
+        "QUEUES",
+        "QUEUE_TYPE",
+        "QUORUM_GROUP_SIZE",
+        "DECLARE",
+        "MAX_DELAY",
+        "RADIX",
+        "RESOLUTION",
+    ),
+    "Worker": (
+        "TIME_LIMIT",
+        "TIME_LIMIT_GRACE",
+        "CONSUMER_TIMEOUT",
+        "PRIORITIES",
+        "HOLD_WINDOW",
+        "HOLD_PREFETCH",
+    ),
+    "Retries and failures": ("MAX_RETRIES", "RETRY_BACKOFF", "DELIVERY_LIMIT"),
+    "Recurring jobs and cancels": ("SCHEDULES", "CANCEL_MARGIN"),
+    "Results": ("RESULTS", "RESULT_TTL", "RESULT_MAX_BYTES"),
+    "Clusters": ("STUCK_AFTER", "REPAIR_STUCK"),
+    "Security": (
+        "SIGNING",
+        "SIGNING_KEY",
+        "SIGNING_KEY_FALLBACKS",
+        "METRICS_TOKEN",
+        "METRICS_ALLOW",
+    ),
+}
+
+
+def check_setting_topics(topics: dict[str, tuple[str, ...]], defaults: Iterable[str]) -> None:
+    """Raise ``ValueError`` unless every key of ``defaults`` is in exactly one topic.
+
+    A setting missing from the page, listed twice, or kept on it after being
+    removed from the code would make the reference lie; the directive turns
+    this into a failed build.
+    """
+    known = set(defaults)
+    listed = [key for keys in topics.values() for key in keys]
+    problems = []
+    if missing := sorted(known - set(listed)):
+        problems.append(f"not in any topic: {', '.join(missing)}")
+    if unknown := sorted(set(listed) - known):
+        problems.append(f"not in deferred.conf.DEFAULTS: {', '.join(unknown)}")
+    if twice := sorted({key for key in listed if listed.count(key) > 1}):
+        problems.append(f"in more than one topic: {', '.join(twice)}")
+    if problems:
+        raise ValueError(
+            "SETTING_TOPICS in docs/_ext/deferred_reference.py does not match "
+            f"deferred.conf.DEFAULTS: {'; '.join(problems)}."
+        )
+
+
+def setting_anchor(key: str) -> str:
+    """The HTML id of a setting's section: ``setting-BROKER_URL``.
+
+    The key is kept exactly as it is written in ``DEFERRED`` (docutils would
+    lowercase it and turn ``_`` into ``-``), so a link can be written from the
+    key alone: ``settings.html#setting-BROKER_URL``, or from another page of
+    these docs ``[BROKER_URL](../reference/settings.md#setting-BROKER_URL)``.
+    """
+    return f"setting-{key}"
+
+
+def _labelled_section(directive: SphinxDirective, node_id: str, title: nodes.Node) -> nodes.section:
+    """A section whose id is ``node_id`` as given, registered as a label of this page.
+
+    Docutils keeps an id set on the node verbatim; the label (named after
+    the id, lowercased as docutils does with names) is what lets MyST resolve
+    ``[text](page.md#node_id)`` from other pages without a warning, which
+    would fail the build.
+    """
+    section = nodes.section(ids=[node_id], names=[nodes.fully_normalize_name(node_id)])
+    section += nodes.title("", "", title)
+    directive.state.document.note_explicit_target(section)
+    return section
+
+
+_KEY_RE = re.compile(r"\b[A-Z][A-Z0-9]*(?:_[A-Z0-9]+)*\b")
+
+
+def _description(text: str, keys: Iterable[str], current: str) -> nodes.paragraph:
+    """``text`` with every other setting it names as a link to that setting.
+
+    Its quotes stay straight: the comments quote values (``"classic"``,
+    ``{"base", ...}``) that are copied into settings files as written.
+    """
+    known = set(keys)
+    paragraph = nodes.paragraph(support_smartquotes=False)
+    position = 0
+    for match in _KEY_RE.finditer(text):
+        key = match.group()
+        if key not in known:
+            continue
+        paragraph += nodes.Text(text[position : match.start()])
+        literal = nodes.literal(key, key)
+        if key == current:
+            paragraph += literal
+        else:
+            paragraph += nodes.reference("", "", literal, refid=setting_anchor(key), internal=True)
+        position = match.end()
+    paragraph += nodes.Text(text[position:])
+    return paragraph
+
+
 class SettingsDirective(SphinxDirective):
+    """Every setting, grouped by topic, each in a section of its own.
+
+    A section (not a table row) per setting gives each one an anchor to link
+    to, and lets a long default and its description use the page's full
+    width instead of squeezing each other into narrow columns.
+    """
+
     def run(self) -> list[nodes.Node]:
         conf = importlib.import_module("deferred.conf")
-        comments = setting_comments(Path(conf.__file__).read_text())
-        rows: list[list[nodes.Node | str]] = [
-            [_literal(key), _literal(_default(value)), comments.get(key, "")]
-            for key, value in conf.DEFAULTS.items()
-        ]
-        return [_table(["key", "default", "what"], rows)]
+        try:
+            check_setting_topics(SETTING_TOPICS, conf.DEFAULTS)
+        except ValueError as exc:
+            raise ExtensionError(str(exc)) from exc
+        comments = setting_comments(Path(str(conf.__file__)).read_text())
+        result: list[nodes.Node] = [self._index(conf.DEFAULTS)]
+        for topic, keys in SETTING_TOPICS.items():
+            group = _labelled_section(self, f"settings-{slug(topic)}", nodes.Text(topic))
+            for key in keys:
+                section = _labelled_section(self, setting_anchor(key), nodes.literal(key, key))
+                section["classes"].append("deferred-setting")
+                default = nodes.paragraph(classes=["deferred-setting-default"])
+                default += nodes.Text("Default: ")
+                default += nodes.literal(text=_default(conf.DEFAULTS[key]))
+                section += default
+                section += _description(comments.get(key, ""), conf.DEFAULTS, key)
+                group += section
+            result.append(group)
+        return result
+
+    @staticmethod
+    def _index(defaults: Iterable[str]) -> nodes.paragraph:
+        """Every key A-Z, each a link to its section: the way in for a reader with a name."""
+        paragraph = nodes.paragraph(classes=["deferred-settings-index"])
+        paragraph += nodes.Text("All settings, A-Z: ")
+        for n, key in enumerate(sorted(defaults)):
+            if n:
+                paragraph += nodes.Text(", ")
+            paragraph += nodes.reference(
+                "", "", nodes.literal(key, key), refid=setting_anchor(key), internal=True
+            )
+        paragraph += nodes.Text(".")
+        return paragraph
+
+
+#: The width a command's help is wrapped at: a terminal's, the same on every
+#: machine that builds the docs (argparse would otherwise follow $COLUMNS).
+HELP_WIDTH = 80
+
+
+def command_help(name: str) -> list[str]:
+    """The help of management command ``name``: its own arguments only.
+
+    Django's ``create_parser`` adds its common options (``--settings``,
+    ``--verbosity``...) to every command; printed under each of them they
+    bury the few options that differ, so the page lists them once instead.
+    The parser is built the way ``create_parser`` builds it, minus those.
+    Subcommands (``deferred_failed retry``) follow, each with its own help,
+    since the parent's help names them without their options.
+    """
+    from django.core.management import load_command_class
+    from django.core.management.base import CommandParser, DjangoHelpFormatter
+
+    command = load_command_class("deferred", name)
+    parser = CommandParser(
+        prog=f"manage.py {name}",
+        description=command.help or None,
+        formatter_class=functools.partial(DjangoHelpFormatter, width=HELP_WIDTH),
+    )
+    command.add_arguments(parser)
+    helps = [parser.format_help().rstrip()]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for subparser in action.choices.values():
+                subparser.formatter_class = parser.formatter_class
+                helps.append(subparser.format_help().rstrip())
+    return helps
+
+
+def command_anchor(name: str) -> str:
+    """The HTML id of a command's section: ``command-deferred-failed``."""
+    return f"command-{name.replace('_', '-')}"
 
 
 class CommandsDirective(SphinxDirective):
-    def run(self) -> list[nodes.Node]:
-        from django.core.management import load_command_class
+    """Every command of the app, A-Z, each in a section other pages link to."""
 
+    def run(self) -> list[nodes.Node]:
         commands = importlib.import_module("deferred.management.commands")
         result: list[nodes.Node] = []
         for info in sorted(pkgutil.iter_modules(commands.__path__), key=lambda m: m.name):
-            command = load_command_class("deferred", info.name)
-            parser = command.create_parser("manage.py", info.name)
-            section = nodes.section(ids=[f"command-{info.name.replace('_', '-')}"])
-            section += nodes.title(text=info.name)
-            section += nodes.literal_block(text=parser.format_help().rstrip())
+            section = _labelled_section(self, command_anchor(info.name), nodes.Text(info.name))
+            for text in command_help(info.name):
+                # Plain text: Pygments would guess Python for some helps and colour them.
+                section += nodes.literal_block(text, text, language="text")
             result.append(section)
         return result
 
@@ -133,7 +340,7 @@ class CommandsDirective(SphinxDirective):
 REASON_MODULES = {
     "deferred.intake": ["TOO_LARGE", "BAD_SIGNATURE"],
     "deferred.jobs": ["UNDECODABLE", "INVALID"],
-    "deferred.failures": ["UNKNOWN_TASK", "DELIVERY_LIMIT", "UNROUTABLE"],
+    "deferred.failures": ["UNKNOWN_TASK", "DELIVERY_LIMIT", "TIMED_OUT", "UNROUTABLE"],
     "deferred.retries": ["TASK_ERROR", "RETRIES_EXHAUSTED"],
 }
 
@@ -173,7 +380,18 @@ class LogLineDirective(SphinxDirective):
         ]
 
 
+#: The pages' stylesheet, shipped with the extension that makes their markup.
+STATIC = Path(__file__).resolve().parent / "static"
+
+
+def _add_static_path(app: Sphinx, config: Config) -> None:
+    # A new list: the default one may be shared with other builds in the process.
+    config.html_static_path = [*config.html_static_path, str(STATIC)]
+
+
 def setup(app: Sphinx) -> dict[str, Any]:
+    app.connect("config-inited", _add_static_path)
+    app.add_css_file("deferred_reference.css")
     app.add_directive("deferred-settings", SettingsDirective)
     app.add_directive("deferred-commands", CommandsDirective)
     app.add_directive("deferred-failure-reasons", FailureReasonsDirective)

@@ -43,3 +43,22 @@ def note(path, label):
 async def note_async(path, label):
     with open(path, "a") as f:
         f.write(json.dumps({"label": label, "at": time.time(), "async": True}) + "\n")
+
+
+@task
+def spin(path, label):
+    """Runs until its time limit stops it (OPTIONS["TIME_LIMIT"] in the tests)."""
+    with open(path, "a") as f:
+        f.write(json.dumps({"label": label, "event": "start"}) + "\n")
+    while True:
+        time.sleep(0.01)
+
+
+@task
+async def spin_async(path, label):
+    """The same, on an event loop."""
+    import asyncio
+
+    with open(path, "a") as f:
+        f.write(json.dumps({"label": label, "event": "start"}) + "\n")
+    await asyncio.sleep(60)

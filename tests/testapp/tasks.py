@@ -176,3 +176,154 @@ async def explode_async(path: str, message: str) -> None:
     job = current_job()
     _append(path, label=message, event="attempt", attempt=job.attempt if job else None)
     raise RuntimeError(message)
+
+
+# Time limits (tests/test_time_limits.py): 0.3 s each; the tests set a short grace.
+
+
+@task(name="tests.overrun", time_limit=0.3)
+def overrun(path: str, label: str) -> None:
+    """Runs Python code until TimeLimitExceeded stops it; cleans up, then lets it go."""
+    from deferred import TimeLimitExceeded
+
+    _append(path, label=label, event="start")
+    try:
+        while True:
+            time.sleep(0.01)
+    except TimeLimitExceeded:
+        _append(path, label=label, event="cleanup")
+        raise
+
+
+@task(name="tests.stubborn", time_limit=0.3)
+def stubborn(path: str, label: str, seconds: float) -> None:
+    """Catches TimeLimitExceeded and goes on: only the hard limit ends it."""
+    from deferred import TimeLimitExceeded
+
+    _append(path, label=label, event="start")
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        try:
+            time.sleep(0.01)
+        except TimeLimitExceeded:
+            _append(path, label=label, event="ignored")
+    _append(path, label=label, event="end")
+
+
+@task(name="tests.stubborn_retried", time_limit=0.3, max_retries=1, retry_backoff=[0.1])
+def stubborn_retried(path: str, label: str, seconds: float) -> None:
+    """Its first attempt ignores the soft limit and says it is alive every 50 ms for
+    ``seconds``; the retry (0.1 s later) returns at once."""
+    from deferred import TimeLimitExceeded
+
+    attempt = _attempt()
+    _append(path, label=label, event="start", attempt=attempt)
+    end = time.monotonic() + (seconds if attempt == 1 else 0)
+    while time.monotonic() < end:
+        try:
+            time.sleep(0.05)
+            _append(path, label=label, event="alive", attempt=attempt)
+        except TimeLimitExceeded:
+            pass
+
+
+@task(name="tests.blocked", time_limit=0.3)
+def blocked(path: str, label: str, seconds: float) -> None:
+    """One C call that holds the thread for ``seconds``: no exception reaches it meanwhile."""
+    _append(path, label=label, event="start")
+    time.sleep(seconds)
+    _append(path, label=label, event="end")
+
+
+@task(name="tests.socket_read", time_limit=0.3)
+def socket_read(path: str, label: str) -> None:
+    """Reads a socket that never sends, with no timeout: the classic hung job."""
+    import socket
+
+    left, right = socket.socketpair()
+    _append(path, label=label, event="start")
+    try:
+        left.recv(1)
+    finally:
+        left.close()
+        right.close()
+    _append(path, label=label, event="end")
+
+
+@task(name="tests.overrun_async", time_limit=0.3)
+async def overrun_async(path: str, label: str) -> None:
+    """Cancelled at its await by the event loop at the limit; cleans up."""
+    _append(path, label=label, event="start")
+    try:
+        await asyncio.sleep(30)
+    except asyncio.CancelledError:
+        _append(path, label=label, event="cleanup")
+        raise
+
+
+@task(name="tests.overrun_once", time_limit=0.3, max_retries=1, retry_backoff=[0.1])
+def overrun_once(path: str, label: str) -> None:
+    """Its first attempt runs past the limit; the retry is quick."""
+    attempt = _attempt()
+    _append(path, label=label, event="attempt", attempt=attempt)
+    if attempt == 1:
+        while True:
+            time.sleep(0.01)
+
+
+@task(name="tests.unlimited", time_limit=None)
+def unlimited(path: str, label: str, seconds: float) -> None:
+    """No limit, whatever DEFERRED['TIME_LIMIT'] says."""
+    _append(path, label=label, event="start")
+    time.sleep(seconds)
+    _append(path, label=label, event="end")
+
+
+_hoard: list[bytearray] = []
+
+
+@task(name="tests.hoard")
+def hoard(path: str, label: str, mib: int) -> None:
+    """Keeps ``mib`` MiB for good: the leak that --max-memory-per-child is for."""
+    block = bytearray(mib * 1024 * 1024)
+    block[::4096] = b"x" * len(block[::4096])  # touched: resident, not just reserved
+    _hoard.append(block)
+    _append(path, label=label, event="ran")
+
+
+@task(name="tests.gil_hog", time_limit=0.3)
+def gil_hog(path: str, label: str, flag: str, seconds: float) -> None:
+    """The first run holds the GIL in C code for ``seconds``: no thread of the process
+    runs, its watchdog neither. Later runs (``flag`` exists) return at once."""
+    import ctypes
+
+    _append(path, label=label, event="start")
+    if os.path.exists(flag):
+        return
+    open(flag, "w").close()
+    ctypes.PyDLL(None).sleep(int(seconds))
+
+
+@task(name="tests.add")
+def add(a: int, b: int) -> int:
+    return a + b
+
+
+@task(name="tests.add_unrecorded", result=False)
+def add_unrecorded(a: int, b: int) -> int:
+    return a + b
+
+
+@task(name="tests.returns_object")
+def returns_object() -> object:
+    return object()
+
+
+@task(name="tests.fails_once_until_file", max_retries=0)
+def fails_once_until_file(path: str, label: str, flag: str) -> str:
+    """Fails (into the failed list at once, no retry) until ``flag`` exists, then
+    returns ``label``: a job to re-drive once its cause is fixed."""
+    _append(path, label=label, event="attempt", attempt=_attempt())
+    if not os.path.exists(flag):
+        raise FileNotFoundError(flag)
+    return label

@@ -1,9 +1,10 @@
 """The producer: ``defer()`` at a fixed offered rate, delays uniform in [low, high] s.
 
-python -m e2e_app.produce RATE SECONDS --threads N --low 0 --high 3 --ids FILE
+python -m e2e_app.produce RATE SECONDS --threads N --low 0 --high 3 --ids FILE [--live]
 
 Prints one JSON line: the achieved rate, the ``defer()`` call times and the
-process's CPU use; writes the ids it got to ``--ids``.
+process's CPU use; writes the ids it got to ``--ids``: at the end, or with
+``--live`` as it goes (every half second), for a process that reads them meanwhile.
 """
 
 import argparse
@@ -26,6 +27,7 @@ def main() -> None:
     parser.add_argument("--high", type=float, default=3.0)
     parser.add_argument("--ids", required=True)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--live", action="store_true", help="write the ids as they come")
     args = parser.parse_args()
 
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "e2e_app.settings")
@@ -52,6 +54,27 @@ def main() -> None:
                 errors.append(repr(exc))
             calls.append((time.perf_counter() - t0) * 1000)
 
+    written = 0
+    flushing = threading.Lock()
+
+    def flush() -> None:
+        nonlocal written
+        with flushing:
+            upto = len(ids)
+            with open(args.ids, "a") as f:
+                f.writelines(f"{job_id}\n" for job_id in ids[written:upto])
+            written = upto
+
+    done = threading.Event()
+
+    def flusher() -> None:
+        while not done.wait(0.5):
+            flush()
+
+    if args.live:
+        open(args.ids, "w").close()
+        threading.Thread(target=flusher, daemon=True).start()
+
     # Warm each thread's connection first, outside the measured window.
     warm = [threading.Thread(target=lambda: defer(note, 0.0)) for _ in range(args.threads)]
     for t in warm:
@@ -72,8 +95,12 @@ def main() -> None:
     elapsed = time.perf_counter() - start
     cpu1 = resource.getrusage(resource.RUSAGE_SELF)
     used = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
-    with open(args.ids, "w") as f:
-        f.writelines(f"{job_id}\n" for job_id in ids)
+    done.set()
+    if args.live:
+        flush()
+    else:
+        with open(args.ids, "w") as f:
+            f.writelines(f"{job_id}\n" for job_id in ids)
     calls.sort()
     print(
         json.dumps(

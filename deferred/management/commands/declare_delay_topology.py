@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.template.defaultfilters import pluralize
 
 from deferred import export
 from deferred.broker import Admin, BrokerError, DeclareReport, admin_channel, vhost_of
@@ -13,6 +14,7 @@ from deferred.cancels import cancel_route_missing
 from deferred.cluster import leaders_per_node, management_api
 from deferred.http_api import ManagementAPI
 from deferred.management.arguments import command_settings
+from deferred.removal import Removal, prefix_removal, topology_removal
 from deferred.topology import Plan, plan_topology, recorded_plan
 
 #: Formats that print the topology as infrastructure code, without the broker.
@@ -25,7 +27,9 @@ class Command(BaseCommand):
         "run it on every deploy. --list shows older topologies still on the broker and "
         "--remove-empty deletes the ones no job waits in any more. --format definitions "
         "or terraform prints the topology as infrastructure code; --check (implied when "
-        "DEFERRED['DECLARE'] is False) only verifies that it exists."
+        "DEFERRED['DECLARE'] is False) only verifies that it exists. --delete removes every "
+        "queue and exchange of the PREFIX (or, with --topology, of one old topology), "
+        "after listing them and asking."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
@@ -61,6 +65,26 @@ class Command(BaseCommand):
             action="store_true",
             help="Delete old topologies (not the current one) in which no job waits.",
         )
+        parser.add_argument(
+            "--delete",
+            action="store_true",
+            help="Remove every queue and exchange of the PREFIX, jobs included: lists them "
+            "and asks first (--dry-run only lists). Refused while jobs wait there or workers "
+            "consume, unless --force.",
+        )
+        parser.add_argument(
+            "--topology",
+            metavar="ID",
+            help="With --delete: remove only this old topology (an id --list shows).",
+        )
+        parser.add_argument(
+            "--force",
+            action="store_true",
+            help="With --delete: remove even what holds jobs (they are lost) or has consumers.",
+        )
+        parser.add_argument(
+            "--yes", action="store_true", help="With --delete: do not ask for confirmation."
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         settings = command_settings()
@@ -72,7 +96,7 @@ class Command(BaseCommand):
         if options["users"] and fmt != "definitions":
             raise CommandError("--users only applies to --format definitions.")
         if fmt in IAC_FORMATS:
-            if options["list"] or options["remove_empty"] or options["check"]:
+            if options["list"] or options["remove_empty"] or options["check"] or options["delete"]:
                 raise CommandError(f"--format {fmt} only prints; it takes no other action.")
             vhost = options["vhost"] or vhost_of(settings.broker_urls)
             if fmt == "definitions":
@@ -85,6 +109,14 @@ class Command(BaseCommand):
                     )
             else:
                 self.stdout.write(export.terraform(plan, vhost=vhost), ending="")
+            return
+        delete_only = [o for o in ("topology", "force", "yes") if options[o]]
+        if delete_only and not options["delete"]:
+            raise CommandError(f"--{delete_only[0]} only applies to --delete.")
+        if options["delete"]:
+            if options["list"] or options["remove_empty"] or options["check"]:
+                raise CommandError("--delete takes no other action.")
+            self._delete(settings, plan, options)
             return
         if options["dry_run"]:
             self._emit(plan.describe() if as_json else _plan_text(plan), as_json)
@@ -125,6 +157,63 @@ class Command(BaseCommand):
                     self._warn_if_classic_on_a_cluster(plan, len(settings.broker_urls), api)
         except BrokerError as exc:
             raise CommandError(str(exc)) from exc
+
+    def _delete(self, settings: Any, plan: Plan, options: dict[str, Any]) -> None:
+        """``--delete``: list, count, refuse or ask, then remove."""
+        if not settings.declare:
+            raise CommandError(
+                "DEFERRED['DECLARE'] is False: the infrastructure owns the topology, so "
+                "deferred deletes nothing. Remove it there."
+            )
+        try:
+            with admin_channel(settings.broker_urls) as admin:
+                records = admin.topology_records(plan)
+                try:
+                    removal = (
+                        topology_removal(plan, records, options["topology"])
+                        if options["topology"]
+                        else prefix_removal(plan, records)
+                    )
+                except ValueError as exc:
+                    raise CommandError(str(exc)) from None
+                queues = {q: s for q in removal.queues if (s := admin.queue_stats(q)) is not None}
+                exchanges = [e for e in removal.exchanges if admin.exchange_exists(e)]
+                jobs = sum(s.messages for q, s in queues.items() if q not in removal.bookkeeping)
+                consumers = sum(s.consumers for s in queues.values())
+                self.stdout.write(_removal_text(removal, queues, exchanges, jobs, consumers))
+                if not queues and not exchanges:
+                    self.stdout.write(f"Nothing of {removal.what} is on the broker.")
+                    return
+                if options["dry_run"]:
+                    self.stdout.write("Dry run: nothing was removed.")
+                    return
+                if (jobs or consumers) and not options["force"]:
+                    raise CommandError(
+                        f"Refused: {_holding(jobs, consumers)}. Let the jobs run (and stop "
+                        "the workers) first, or add --force to remove them anyway: "
+                        f"{_count(jobs, 'job')} would be lost."
+                    )
+                if not options["yes"] and not _confirmed(
+                    f"Remove {_count(len(queues), 'queue')} and "
+                    f"{_count(len(exchanges), 'exchange')} of {removal.what}"
+                    + (f", losing {_count(jobs, 'job')}" if jobs else "")
+                    + "? [y/N] "
+                ):
+                    raise CommandError(
+                        "Not confirmed: nothing was removed (--yes skips the question)."
+                    )
+                admin.delete(list(queues), exchanges)
+                for topology in removal.forget:
+                    admin.forget_topology(plan, topology)
+        except BrokerError as exc:
+            raise CommandError(str(exc)) from exc
+        lost = f"; {_count(jobs, 'job')} lost" if jobs else ""
+        self.stdout.write(
+            self.style.SUCCESS(
+                f"Removed {removal.what}: {_count(len(queues), 'queue')} and "
+                f"{_count(len(exchanges), 'exchange')}{lost}."
+            )
+        )
 
     def _warn_if_classic_on_a_cluster(self, plan: Plan, urls: int, api: ManagementAPI) -> None:
         """Classic queues live on one node each: say what a node loss then costs."""
@@ -196,6 +285,44 @@ class Command(BaseCommand):
             )
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def _holding(jobs: int, consumers: int) -> str:
+    parts = [f"{_count(jobs, 'job')} {'waits' if jobs == 1 else 'wait'} there"] if jobs else []
+    if consumers:
+        verb = "reads" if consumers == 1 else "read"
+        parts.append(f"{_count(consumers, 'consumer')} (workers) {verb} there")
+    return " and ".join(parts)
+
+
+def _removal_text(
+    removal: Removal, queues: dict[str, Any], exchanges: list[str], jobs: int, consumers: int
+) -> str:
+    lines = [
+        f"{removal.what}: {_count(len(queues), 'queue')} and "
+        f"{_count(len(exchanges), 'exchange')} on the broker"
+        + (f", {_holding(jobs, consumers)}" if jobs or consumers else ", no job in them")
+        + ":"
+    ]
+    for name, stats in queues.items():
+        kind = "record" if name in removal.bookkeeping else "job"
+        held = [f"{_count(stats.messages, kind)}"] if stats.messages else []
+        held += [f"{_count(stats.consumers, 'consumer')}"] if stats.consumers else []
+        lines.append(f"  queue     {name}" + (f"  ({', '.join(held)})" if held else ""))
+    lines += [f"  exchange  {name}" for name in exchanges]
+    return "\n".join(lines)
+
+
+def _confirmed(question: str) -> bool:
+    """Ask on the terminal; no answer (no terminal) is no."""
+    try:
+        return input(question).strip().lower() in ("y", "yes")
+    except EOFError:
+        return False
+
+
 def _list(
     admin: Admin, plan: Plan, queues: tuple[str, ...], *, remove: bool
 ) -> list[dict[str, Any]]:
@@ -215,7 +342,34 @@ def _list(
             admin.remove(old)
             row["removed"] = True
         rows.append(row)
+    rows += _legacy_rows(admin, plan, rows, remove=remove)
     return rows
+
+
+def _legacy_rows(
+    admin: Admin, plan: Plan, rows: list[dict[str, Any]], *, remove: bool
+) -> list[dict[str, Any]]:
+    """The ready and hold queues left from before PRIORITIES changed, while they exist; with
+    ``remove``, deleted once no topology that delivers there is left and they are empty."""
+    ready, hold = plan.legacy_queues
+    names = [*ready.values(), *hold.values()]
+    counts = {name: admin.message_count(name) for name in names}
+    present = [name for name, count in counts.items() if count is not None]
+    if not present:
+        return []
+    feeding = any(not r["current"] and not r["removed"] for r in rows)
+    removed = False
+    if remove and not feeding and not any(counts[n] for n in present):
+        removed = all([admin.delete_if_empty(name) for name in present])
+    return [
+        {
+            "topology": plan.legacy_label,
+            "current": False,
+            "pending": sum(counts[n] or 0 for n in present),
+            "removed": removed,
+            "delay_queues": present,
+        }
+    ]
 
 
 def _records(records: list[dict[str, Any]], current: Plan) -> list[dict[str, Any]]:
@@ -234,7 +388,8 @@ def _plan_text(plan: Plan) -> str:
         f"Topology {plan.topology_id}: radix {plan.radix}, resolution {plan.resolution_ms} ms, "
         f"{plan.levels} levels, max delay {plan.max_delay_ms} ms, {plan.queue_type} queues.",
         (
-            f"The lowest {plan.hold_levels} level(s) are left to the workers: a job due within "
+            f"The lowest {plan.hold_levels} level{pluralize(plan.hold_levels)} "
+            f"{pluralize(plan.hold_levels, 'is,are')} left to the workers: a job due within "
             f"{plan.window_ms} ms goes to its hold queue (HOLD_WINDOW)."
             if plan.hold_levels
             else "Every level is declared: nothing is held in the workers (HOLD_WINDOW)."
@@ -258,7 +413,11 @@ def _rows_text(rows: list[dict[str, Any]]) -> str:
     out = []
     for row in rows:
         state = "current" if row["current"] else "old"
-        pending = "missing" if row["pending"] is None else f"{row['pending']} job(s) waiting"
+        pending = (
+            "missing"
+            if row["pending"] is None
+            else f"{row['pending']} job{pluralize(row['pending'])} waiting"
+        )
         removed = ", removed" if row["removed"] else ""
         out.append(f"{row['topology']}  {state}  {pending}{removed}")
         if row.get("leaders"):

@@ -6,6 +6,7 @@ import sys
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.template.defaultfilters import pluralize
 
 from deferred import cancels
 from deferred.broker import BrokerError
@@ -41,6 +42,8 @@ class Command(BaseCommand):
             ) from exc
         self.stdout.write(
             self.style.SUCCESS(
-                f"Cancelled {len(ids)} job(s): the workers drop them when they come due."
+                f"Cancelled {len(ids)} job{pluralize(len(ids))}: the workers drop "
+                f"{pluralize(len(ids), 'it,them')} when "
+                f"{pluralize(len(ids), 'it comes,they come')} due."
             )
         )

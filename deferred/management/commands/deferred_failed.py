@@ -7,6 +7,7 @@ import sys
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.template.defaultfilters import pluralize
 
 from deferred import failures
 from deferred.broker import BrokerError
@@ -83,10 +84,11 @@ class Command(BaseCommand):
     def _confirm(self, chosen: list[failures.FailedJob]) -> bool:
         if not sys.stdin.isatty():
             raise CommandError(
-                f"Refusing to purge {len(chosen)} failed job(s) without confirmation: "
+                f"Refusing to purge {len(chosen)} failed job{pluralize(len(chosen))} without "
+                "confirmation: "
                 "run it in a terminal, or add --yes."
             )
-        answer = input(f"Purge {len(chosen)} failed job(s) for good? [y/N] ")
+        answer = input(f"Purge {len(chosen)} failed job{pluralize(len(chosen))} for good? [y/N] ")
         return answer.strip().lower() in ("y", "yes")
 
     def _list(self, entries: list[failures.FailedJob], *, as_json: bool) -> None:
@@ -102,11 +104,13 @@ class Command(BaseCommand):
                 f"{e.id}  {e.task or '?'}  {e.reason}  attempts={e.attempts or '?'}  "
                 f"failed_at={e.failed_at or '?'}  {error}"
             )
-        self.stdout.write(f"{len(entries)} failed job(s).")
+        self.stdout.write(f"{len(entries)} failed job{pluralize(len(entries))}.")
 
     def _report(self, outcome: failures.Outcome, verb: str) -> None:
         if outcome.done:
-            self.stdout.write(self.style.SUCCESS(f"{len(outcome.done)} job(s) {verb}."))
+            self.stdout.write(
+                self.style.SUCCESS(f"{len(outcome.done)} job{pluralize(len(outcome.done))} {verb}.")
+            )
             for job_id in outcome.done:
                 self.stdout.write(f"  {job_id}")
         for job_id, why in outcome.skipped:

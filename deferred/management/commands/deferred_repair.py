@@ -7,6 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.template.defaultfilters import pluralize
 
 from deferred import repair
 from deferred.cluster import management_api
@@ -78,7 +79,8 @@ class Command(BaseCommand):
             lines = []
             for row in rows:
                 lines.append(
-                    f"{row['queue']}: {row['jobs']} job(s) stuck for {row['for_s']:.0f} s, "
+                    f"{row['queue']}: {row['jobs']} job{pluralize(row['jobs'])} stuck for "
+                    f"{row['for_s']:.0f} s, "
                     f"leader {row['leader']}"
                 )
                 lines += [f"  {command}" for command in row["commands"]]
@@ -102,7 +104,8 @@ class Command(BaseCommand):
             r = outcome.repair
             if r.done:
                 moved = (
-                    f"{outcome.released} of {outcome.before} job(s) moved on, "
+                    f"{outcome.released} of {outcome.before} job{pluralize(outcome.before)} "
+                    "moved on, "
                     f"{outcome.after} still dead-lettered"
                     if outcome.after is not None
                     else "the queue could not be read afterwards"

@@ -9,7 +9,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from deferred import status
+from deferred import results, status
 from deferred.broker import BrokerError
 from deferred.conf import DeferredSettings
 from deferred.management.arguments import command_settings, seconds
@@ -33,10 +33,19 @@ class Command(BaseCommand):
             metavar="SECONDS",
             help="Refresh every SECONDS until Ctrl-C (with --json: one document per line).",
         )
+        parser.add_argument(
+            "--job",
+            metavar="JOB_ID",
+            help="Print that job's result instead (deferred.result()): its state, attempts, "
+            "times, worker, return value and errors.",
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         settings = command_settings()
         as_json, every = options["json"], options["watch"]
+        if options["job"] is not None:
+            self._job(options["job"], as_json)
+            return
         if every is None:
             try:
                 snapshot = status.collect(settings).snapshot
@@ -68,6 +77,17 @@ class Command(BaseCommand):
         finally:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
+
+    def _job(self, job_id: str, as_json: bool) -> None:
+        try:
+            found = results.result(job_id)
+        except ValueError as exc:
+            raise CommandError(str(exc)) from exc
+        except BrokerError as exc:
+            raise CommandError(f"The results cannot be read: {exc}") from exc
+        self.stdout.write(
+            json.dumps(found.as_dict(), indent=2) if as_json else results.render_text(found)
+        )
 
     def _frame(self, settings: DeferredSettings, as_json: bool) -> None:
         """One refresh of ``--watch``: a broker that is down is reported, not fatal."""

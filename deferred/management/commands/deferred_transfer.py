@@ -9,6 +9,7 @@ from typing import Any
 
 import pika
 from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.template.defaultfilters import pluralize
 
 from deferred.broker import BrokerError, safe_url
 from deferred.management.arguments import command_settings
@@ -122,18 +123,21 @@ class Command(BaseCommand):
     def _summary(self, summary: Summary) -> None:
         p = summary.progress
         lines = [
-            f"Moved {p.jobs:,} pending job(s) and {p.failed:,} failed job(s) in "
+            f"Moved {p.jobs:,} pending job{pluralize(p.jobs)} and {p.failed:,} failed "
+            f"job{pluralize(p.failed)} in "
             f"{p.elapsed_s:.1f} s ({p.rate:,.0f}/s).",
         ]
         if p.unroutable:
             lines.append(
-                f"{p.unroutable:,} job(s) for a queue not in DEFERRED['QUEUES'] went to the "
+                f"{p.unroutable:,} job{pluralize(p.unroutable)} for a queue not in "
+                "DEFERRED['QUEUES'] went to the "
                 "failed queue (reason unroutable), as they would have on the old broker."
             )
         if p.resumed:
             lines.append(f"{p.resumed:,} of them were staged by an interrupted earlier run.")
         lines.append(
-            f"Cancels: {summary.cancels_copied:,} record(s) copied, "
+            f"Cancels: {summary.cancels_copied:,} "
+            f"record{pluralize(summary.cancels_copied)} copied, "
             f"{summary.cancels_present:,} already there, {summary.cancels_expired:,} no longer "
             "in force left behind."
         )
@@ -145,13 +149,16 @@ class Command(BaseCommand):
         elif summary.schedules:
             paused = [name for name, is_paused in summary.schedules.items() if is_paused]
             lines.append(
-                f"Schedules: the old scheduler's record ({len(summary.schedules)} schedule(s)"
+                f"Schedules: the old scheduler's record ({len(summary.schedules)} "
+                f"schedule{pluralize(len(summary.schedules))}"
                 + (f"; paused: {', '.join(paused)}" if paused else "")
                 + ") was copied: the new broker's first scheduling worker goes on from it."
             )
         if summary.schedule_commands:
             lines.append(
-                f"{summary.schedule_commands} schedule command(s) sent to the old broker were "
+                f"{summary.schedule_commands} "
+                f"schedule command{pluralize(summary.schedule_commands)} "
+                f"sent to the old broker {pluralize(summary.schedule_commands, 'was,were')} "
                 "never applied and not copied: send them again (deferred_schedules)."
             )
         if summary.staging_kept:

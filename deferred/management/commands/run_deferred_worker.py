@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from typing import Any
 
@@ -12,9 +13,11 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from deferred.broker import BrokerError
 from deferred.conf import get_settings
+from deferred.exits import WorkerExit
 from deferred.health import HealthFile
 from deferred.metrics import MetricsError, WorkerMetrics, prometheus_client
-from deferred.supervisor import Supervisor, child_command
+from deferred.recycling import Recycling
+from deferred.supervisor import Liveness, Supervisor, child_command
 from deferred.worker import Worker
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
@@ -31,6 +34,20 @@ def _positive_int(value: str) -> int:
     return number
 
 
+def _liveness_s(grace_s: float) -> float:
+    """How long a child may run no Python code before its parent kills it: twice the
+    time limits' grace, at least 10 s (the child's own watchdog acts within the grace,
+    when it can run at all)."""
+    return max(10.0, 2 * grace_s)
+
+
+def _recycling(options: dict[str, Any]) -> Recycling | None:
+    jobs, memory = options["max_jobs_per_child"], options["max_memory_per_child"]
+    if jobs is None and memory is None:
+        return None
+    return Recycling(max_jobs=jobs, max_memory_mib=memory)
+
+
 def _port(value: str) -> int:
     number = _positive_int(value)
     if number > 65535:
@@ -41,7 +58,9 @@ def _port(value: str) -> int:
 class Command(BaseCommand):
     help = (
         "Consume the ready queues and run deferred jobs. SIGTERM/SIGINT finish the running "
-        "jobs, then exit 0."
+        "jobs, then exit 0. A worker that makes way for a fresh process exits 3 (recycled: "
+        "--max-jobs-per-child, --max-memory-per-child) or 4 (a job ran past its hard time "
+        "limit)."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
@@ -66,11 +85,26 @@ class Command(BaseCommand):
             "CPU-bound tasks; a process that dies is started again (default 1: no parent).",
         )
         parser.add_argument(
+            "--max-jobs-per-child",
+            type=_positive_int,
+            metavar="J",
+            help="Make way for a fresh process after J jobs: finish the running ones, hand "
+            "back the held ones, exit 3 (the --processes parent starts another at once; "
+            "default: never).",
+        )
+        parser.add_argument(
+            "--max-memory-per-child",
+            type=_positive_int,
+            metavar="MB",
+            help="Make way for a fresh process once it holds more than MB MiB of resident "
+            "memory, as --max-jobs-per-child does (default: never).",
+        )
+        parser.add_argument(
             "--metrics-port",
             type=_port,
             metavar="PORT",
             help="Serve Prometheus metrics on this port at /metrics (needs "
-            "django-deferred[prometheus]; default: off).",
+            "the prometheus extra; default: off).",
         )
         parser.add_argument(
             "--metrics-address",
@@ -105,6 +139,7 @@ class Command(BaseCommand):
             self._supervise(options)
             return
         metrics = None
+        Liveness.from_environment()  # under --processes: tell the parent this child runs
         try:
             settings = get_settings()
             health = HealthFile(options["health_file"]) if options["health_file"] else None
@@ -116,6 +151,7 @@ class Command(BaseCommand):
                 schedules=not options["no_schedules"],
                 metrics=metrics,
                 health=health,
+                recycling=_recycling(options),
             )
             if metrics is not None:
                 metrics.serve(options["metrics_port"], options["metrics_address"])
@@ -131,10 +167,19 @@ class Command(BaseCommand):
         finally:
             if metrics is not None:
                 metrics.close()
+        if worker.exit_status == WorkerExit.TIMED_OUT:
+            # The thread given up still runs, and may hold others the interpreter
+            # would wait for at exit (an async task's event loop): end at once.
+            logging.shutdown()
+            os._exit(int(worker.exit_status))
+        if worker.exit_status != WorkerExit.STOPPED:
+            # A planned exit: its own status, for the parent, systemd or Kubernetes.
+            raise SystemExit(int(worker.exit_status))
 
     def _supervise(self, options: dict[str, Any]) -> None:
         """``--processes N``: check what every child would check, then start and watch them."""
         try:
+            settings = get_settings()
             if options["metrics_port"] is not None:
                 prometheus_client()
                 if options["metrics_port"] + options["processes"] - 1 > 65535:
@@ -149,6 +194,9 @@ class Command(BaseCommand):
             argv += ["--queue", queue]
         if options["no_schedules"]:
             argv.append("--no-schedules")
+        for option in ("max_jobs_per_child", "max_memory_per_child"):
+            if options[option] is not None:
+                argv += [f"--{option.replace('_', '-')}", str(options[option])]
         if options["metrics_port"] is not None:
             argv += ["--metrics-address", options["metrics_address"]]
         code = Supervisor(
@@ -156,6 +204,7 @@ class Command(BaseCommand):
             child_command(argv),
             metrics_port=options["metrics_port"],
             health_file=options["health_file"],
+            liveness_s=_liveness_s(settings.time_limit_grace_s),
         ).run()
         if code:
             raise CommandError("A worker process did not finish cleanly.", returncode=code)

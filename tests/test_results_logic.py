@@ -1,0 +1,384 @@
+"""Results, pure: how records fold into a result, signatures, values, settings."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from django.core.exceptions import ImproperlyConfigured
+from django.test import override_settings
+
+from deferred import permissions, signing
+from deferred.conf import get_settings
+from deferred.jobs import Job, new_job_id
+from deferred.results import (
+    CLOCK_SLACK_S,
+    Result,
+    _id_ms,
+    _since,
+    _with_run,
+    decode,
+    encode,
+    encode_marker,
+    error_of,
+    fold,
+    marker_of,
+    value_record,
+)
+from deferred.tasks import task
+from deferred.topology import build_plan
+
+KEYS = ("k1",)
+JOB = new_job_id(datetime(2026, 1, 1, tzinfo=UTC))
+T0 = datetime(2026, 1, 1, tzinfo=UTC).timestamp()
+
+
+def rec(ev: str, at: float, **fields) -> dict:
+    return {"id": JOB, "ev": ev, "at": T0 + at, "a": fields.pop("a", 1), **fields}
+
+
+def test_no_record_is_pending_and_unknown():
+    r = fold(JOB, [])
+    assert r.state == "pending" and r.outcome is None and r.attempts == 0
+    assert r.worker is None and r.error is None and not r.finished
+
+
+def test_started_then_succeeded():
+    r = fold(
+        JOB,
+        [rec("started", 0, w="w1", task="t"), rec("succeeded", 1.5, value={"n": 1}, task="t")],
+    )
+    assert r.state == "succeeded" and r.finished and r.value == {"n": 1} and r.value_kept
+    assert r.started_at == datetime.fromtimestamp(T0, UTC)
+    assert r.finished_at == datetime.fromtimestamp(T0 + 1.5, UTC)
+    assert r.worker == "w1" and r.task == "t" and r.attempts == 1
+
+
+def test_a_retry_is_pending_with_its_error_then_the_last_attempt_counts():
+    err = {"type": "builtins.RuntimeError", "msg": "boom", "tb": "Traceback..."}
+    retrying = [rec("started", 0, w="w1"), rec("retrying", 1, err=err)]
+    r = fold(JOB, retrying)
+    assert r.state == "pending" and r.outcome == "retrying" and r.error.message == "boom"
+    r = fold(JOB, [*retrying, rec("started", 5, a=2, w="w2")])
+    assert r.state == "running" and r.attempts == 2 and r.workers == ("w1", "w2")
+    assert r.last_attempted_at == datetime.fromtimestamp(T0 + 5, UTC)
+    assert r.started_at == datetime.fromtimestamp(T0, UTC)
+    r = fold(JOB, [*retrying, rec("started", 5, a=2), rec("failed", 6, a=2, err=err, reason="x")])
+    assert r.state == "failed" and len(r.errors) == 2 and r.reason == "x"
+
+
+def test_cancelled_and_superseded_read_cancelled_and_dropped_reads_failed():
+    assert fold(JOB, [rec("cancelled", 0)]).state == "cancelled"
+    superseded = fold(JOB, [rec("superseded", 0)])
+    assert superseded.state == "cancelled" and superseded.outcome == "superseded"
+    assert fold(JOB, [rec("dropped", 0)]).state == "failed"
+
+
+def test_the_first_end_stands_against_a_duplicate_run():
+    # A duplicate delivery of the same run (no "run", or the same one) after its end
+    r = fold(
+        JOB,
+        [rec("started", 0), rec("succeeded", 1, value=1), rec("started", 2), rec("failed", 3)],
+    )
+    assert r.state == "succeeded" and r.value == 1 and r.finished_at.timestamp() == T0 + 1
+    same_run = _id_ms(JOB)
+    r = fold(JOB, [rec("failed", 1), rec("started", 2, run=same_run), rec("succeeded", 3)])
+    assert r.state == "failed" and r.attempts == 1
+
+
+def test_a_re_driven_run_supersedes_the_failure_it_follows():
+    err = {"type": "builtins.RuntimeError", "msg": "boom", "tb": ""}
+    later = _id_ms(JOB) + 3_600_000
+    failed = [rec("started", 0, w="w1"), rec("failed", 1, err=err, reason="task_error")]
+    # The re-drive's own record (no attempt, no worker): pending again
+    redriven = [*failed, {"id": JOB, "ev": "retrying", "at": T0 + 3599, "run": later}]
+    r = fold(JOB, redriven)
+    assert r.state == "pending" and r.outcome == "retrying" and r.finished_at is None
+    assert r.attempts == 1 and r.reason is None and len(r.errors) == 1
+    assert fold(JOB, [*redriven, rec("started", 3600, run=later)]).attempts == 2
+    again = [*failed, rec("started", 3600, run=later, w="w2")]
+    r = fold(JOB, again)
+    assert r.state == "running" and r.outcome == "started" and r.finished_at is None
+    assert r.reason is None and r.attempts == 2 and r.workers == ("w1", "w2")
+    # A duplicate of the failed run's end, read after the new run began: ignored
+    r = fold(JOB, [*again, rec("failed", 3601, err=err)])
+    assert r.state == "running"
+    r = fold(JOB, [*again, rec("succeeded", 3602, run=later, value=7)])
+    assert r.state == "succeeded" and r.value == 7 and r.reason is None
+    assert r.attempts == 2 and len(r.errors) == 1  # the failed run's error is kept
+    assert r.started_at == datetime.fromtimestamp(T0, UTC)
+    assert r.last_attempted_at == datetime.fromtimestamp(T0 + 3600, UTC)
+    # A run that ends within STARTED_AFTER_S has one record: it still starts the run
+    r = fold(JOB, [*failed, rec("succeeded", 3600, run=later, st=T0 + 3600, w="w2")])
+    assert r.state == "succeeded" and r.workers == ("w1", "w2")
+    # "run" that is no number is the first run's
+    r = fold(JOB, [*failed, rec("succeeded", 5, run="later"), rec("succeeded", 6, run=True)])
+    assert r.state == "failed"
+
+
+def test_records_carry_their_run_only_when_re_driven():
+    from dataclasses import replace
+
+    due = datetime(2026, 1, 1, 0, 0, 0, 123456, tzinfo=UTC)
+    job = Job(id=new_job_id(due), task="t", args=(), kwargs={}, due=due, queue="q")
+    record: dict = {}
+    _with_run(record, job)
+    assert record == {}
+    retried = job.next_attempt(due + timedelta(seconds=30))
+    _with_run(record, retried)
+    assert record == {}  # a retry is the same run
+    redriven = replace(retried, attempt=1, due=due + timedelta(hours=1), first_due_at=None)
+    _with_run(record, redriven)
+    assert record["run"] > _id_ms(job.id)
+    assert (
+        fold(
+            job.id,
+            [
+                {"id": job.id, "ev": "failed", "at": 1.0, "a": 2},
+                {"id": job.id, "ev": "succeeded", "at": 2.0, "a": 1, **record},
+            ],
+        ).state
+        == "succeeded"
+    )
+
+
+def test_other_jobs_and_unknown_events_are_ignored():
+    other = {**rec("succeeded", 0), "id": "other"}
+    assert fold(JOB, [other, rec("exploded", 0)]).state == "pending"
+
+
+def test_a_value_left_out_reads_not_kept():
+    r = fold(JOB, [rec("succeeded", 0, kept=False)])
+    assert r.state == "succeeded" and r.value is None and not r.value_kept
+
+
+def test_django_tasks_calls_come_from_any_record():
+    r = fold(
+        JOB,
+        [
+            rec(
+                "cancelled",
+                0,
+                b="default",
+                args=[1],
+                kwargs={"x": 2},
+                c="2026-01-01T00:00:00+00:00",
+            )
+        ],
+    )
+    assert r.backend == "default" and r.args == (1,) and r.kwargs == {"x": 2}
+    assert r.enqueued_at == datetime(2026, 1, 1, tzinfo=UTC)
+
+
+def test_a_record_signed_with_another_key_or_unsigned_is_never_read():
+    body = encode([rec("succeeded", 0)])
+    assert decode(body, signing.sign(body, KEYS), KEYS) == [rec("succeeded", 0)]
+    assert decode(body, signing.sign(body, ("forger",)), KEYS) == []
+    assert decode(body, {}, KEYS) == []
+    # Altered after signing
+    headers = signing.sign(body, KEYS)
+    assert decode(body.replace(b"succeeded", b"cancelled"), headers, KEYS) == []
+    # Signing off: read as it is
+    assert decode(body, {}, None) == [rec("succeeded", 0)]
+
+
+def test_what_is_not_a_record_message_reads_as_none():
+    for body in (b"not json", b"[]", b'{"v": 99, "r": []}', b'{"v": 1, "r": "x"}'):
+        assert decode(body, None, None) == []
+    assert decode(b'{"v": 1, "r": [1, {"id": "a"}]}', None, None) == [{"id": "a"}]
+
+
+def test_markers_are_told_apart():
+    assert marker_of(encode_marker("tok")) == "tok"
+    assert marker_of(encode([rec("started", 0)])) is None
+    assert marker_of(b'{"marker": 5}') is None
+
+
+def test_values_json_cannot_carry_or_too_large_are_left_out():
+    assert value_record({"a": [1, 2]}, 100) == {"value": {"a": [1, 2]}}
+    assert value_record(object(), 100) == {"kept": False}
+    assert value_record("x" * 200, 100) == {"kept": False}
+    assert value_record(None, 0) == {"kept": False}  # "null" is 4 bytes
+    assert value_record((1, 2), 100) == {"value": [1, 2]}  # as JSON gives it back
+
+
+def test_an_error_keeps_its_class_path_message_and_a_cut_traceback():
+    try:
+        raise ValueError("x" * 5000)
+    except ValueError as exc:
+        err = error_of(exc)
+    assert err["type"] == "builtins.ValueError"
+    assert len(err["msg"]) == 2000
+    assert "Traceback" in err["tb"] or "ValueError" in err["tb"]
+
+    class Broken(Exception):
+        def __str__(self) -> str:
+            raise RuntimeError
+
+    assert "cannot be printed" in error_of(Broken())["msg"]
+
+
+def test_the_reader_starts_a_little_before_the_due_time_the_id_carries():
+    due = datetime(2026, 3, 1, 12, tzinfo=UTC)
+    assert _since(new_job_id(due)) == due - timedelta(seconds=CLOCK_SLACK_S)
+    with pytest.raises(ValueError, match="not a job id"):
+        _since("123")
+
+
+def test_settings_defaults_and_bad_values():
+    with override_settings(DEFERRED={}):
+        s = get_settings()
+    assert s.results is True and s.result_ttl_ms == 24 * 3600 * 1000
+    assert s.result_max_bytes == 64 * 1024
+    with override_settings(DEFERRED={"RESULT_TTL": timedelta(hours=2), "RESULTS": False}):
+        s = get_settings()
+    assert s.results is False and s.result_ttl_ms == 2 * 3600 * 1000
+    for bad in (
+        {"RESULTS": "yes"},
+        {"RESULT_TTL": 5},
+        {"RESULT_TTL": timedelta(days=3651)},
+        {"RESULT_MAX_BYTES": -1},
+        {"RESULT_MAX_BYTES": 2 * 1024 * 1024},
+        {"RESULT_MAX_BYTES": True},
+    ):
+        with override_settings(DEFERRED=bad), pytest.raises(ImproperlyConfigured):
+            get_settings()
+
+
+def test_the_results_stream_keeps_result_ttl():
+    plan = build_plan(
+        prefix="p",
+        radix=16,
+        resolution_ms=1,
+        max_delay_ms=60_000,
+        queue_type="classic",
+        queues=("default",),
+        result_ttl_ms=3_600_000,
+    )
+    assert plan.results_queue.name == "p.results"
+    assert plan.results_queue.arguments["x-queue-type"] == "stream"
+    assert plan.results_queue.arguments["x-max-age"] == "3600s"
+    assert plan.results_queue in plan.shared_queues
+    assert any(b.destination == "p.results" and b.routing_key == "result" for b in plan.bindings)
+
+
+def test_the_publisher_role_may_read_the_results_and_nothing_else():
+    import re
+
+    publisher = permissions.for_role("publisher", "app")
+    assert re.fullmatch(publisher.read, "app.results")
+    assert not re.fullmatch(publisher.read, "app.cancels")
+    worker = permissions.for_role("worker", "app")
+    assert re.fullmatch(worker.read, "app.results")
+
+
+def test_task_result_option():
+    @task(name="tests.logic.no_result", result=False)
+    def quiet() -> None: ...
+
+    assert quiet.result is False
+    with pytest.raises(TypeError, match="result"):
+        task(name="tests.logic.bad", result="no")  # type: ignore[arg-type]
+
+
+def test_a_django_tasks_jobs_records_carry_its_call():
+    from deferred.results import _with_call
+
+    job = Job(id=JOB, task="app.tasks.f", args=(1,), kwargs={}, due=datetime.now(UTC), queue="q")
+    assert "b" not in _with_call({}, job)
+    from dataclasses import replace
+
+    called = _with_call({}, replace(job, backend="default"))
+    assert called["b"] == "default" and called["args"] == [1]
+    json.dumps(called)
+
+
+class _Sender:
+    """A publisher that keeps what it is given, or raises ``error``."""
+
+    def __init__(self, error: Exception | None = None) -> None:
+        self.sent: list[bytes] = []
+        self.error = error
+
+    def publish(self, exchange: str, routing_key: str, body: bytes, **_kwargs) -> None:
+        if self.error is not None:
+            raise self.error
+        self.sent.append(body)
+
+
+def _writer(monkeypatch, sender: _Sender):
+    from deferred.broker import results as broker_results
+
+    monkeypatch.setattr(broker_results, "publisher", lambda urls, timeout: sender)
+
+    def encode_or_fail(records: list) -> tuple[bytes, dict]:
+        if "bad" in records:
+            raise TypeError("a record JSON cannot carry")
+        return json.dumps(records).encode(), {}
+
+    return broker_results.ResultWriter(
+        "amqp://guest:guest@127.0.0.1:1/%2F", "x", "result", encode_or_fail, timeout=1, linger_s=0
+    )
+
+
+def test_the_writer_survives_a_batch_that_raises_and_gives_it_up(monkeypatch, caplog):
+    sender = _Sender()
+    writer = _writer(monkeypatch, sender)
+    writer.start()
+    try:
+        told: list[bool] = []
+        bad = writer.write("bad")
+        bad.add_done_callback(told.append)
+        assert not bad.wait(5) and bad._done.is_set() and told == [False]
+        assert writer.lost == 1 and "could not write 1 result record" in caplog.text.lower()
+        # The thread is still there: the next record goes out, and is confirmed
+        good = writer.write("good")
+        assert good.wait(5) and good.ok
+        assert sender.sent == [b'["good"]']
+        # Not only encode: a publisher that raises something unexpected too
+        sender.error = RuntimeError("a bug in the publisher")
+        assert not writer.write("again").wait(5)
+        sender.error = None
+        assert writer.write("after").wait(5)
+        assert writer._thread is not None and writer._thread.is_alive()
+    finally:
+        writer.stop()
+
+
+def test_the_writer_gives_up_a_batch_the_broker_refuses_and_goes_on(monkeypatch):
+    from deferred.broker import BrokerUnavailable
+
+    sender = _Sender(BrokerUnavailable("down"))
+    writer = _writer(monkeypatch, sender)
+    writer.start()
+    try:
+        assert not writer.write("one").wait(5) and writer.lost == 1
+        sender.error = None
+        assert writer.write("two").wait(5)
+    finally:
+        writer.stop()
+
+
+def test_an_id_due_before_the_stream_keeps_anything_reads_pending_without_a_read(monkeypatch):
+    from deferred import results
+
+    def no_read(*_args, **_kwargs):
+        raise AssertionError("the stream was read")
+
+    monkeypatch.setattr(results, "_read", no_read)
+    ttl = get_settings().result_ttl_ms / 1000
+    old = new_job_id(datetime.now(UTC) - timedelta(seconds=ttl + 60))
+    found = results.result(old)
+    assert found == Result(id=old) and found.state == "pending" and found.complete
+
+
+def test_an_incomplete_result_says_so():
+    from dataclasses import replace
+
+    from deferred.results import render_text
+
+    found = replace(fold(JOB, [rec("failed", 0)]), complete=False)
+    assert found.as_dict()["complete"] is False
+    assert "ran out of time" in render_text(found)
+    assert "ran out of time" not in render_text(fold(JOB, [rec("failed", 0)]))
