@@ -23,7 +23,7 @@ raw limits, measured in the same run.
   least 5 s before) 3 times a second with ``deferred.result()``, and every
   third time reads the same job with pika alone (connect, subscribe from the
   same timestamp, read to the job's record, close: the broker's floor), with
-  the library's credit and with a smaller one. At the 120th second an hour of
+  the library's credit and with a larger one. At the 120th second an hour of
   other jobs' records (360,000, batched as a worker batches them) goes into
   the stream at once, look-ups paused: the jobs that finished before it then
   lie an hour of stream back, as a job that finished an hour ago does; after
@@ -76,6 +76,7 @@ import pika
 import pika.exceptions
 
 from bench.common import BROKER_URL, broker_pids, cpu_seconds, percentile
+from deferred.broker.results import READ_CREDIT
 
 ROOT = Path(__file__).resolve().parent.parent
 #: The steady load of the look-up parts: jobs/s through one worker.
@@ -349,11 +350,10 @@ class Trickle:
         return job_id
 
 
-#: The credit a look-up gives the broker, as ``deferred.broker.results.ResultReader`` sets
-#: it (``basic_qos(prefetch_count=1000)``).
-LIBRARY_PREFETCH = 1000
-#: A smaller credit, read beside it to show what the credit costs.
-SMALL_PREFETCH = 100
+#: The credit a look-up gives the broker, as ``deferred.broker.results.ResultReader`` sets it.
+LIBRARY_PREFETCH = READ_CREDIT
+#: A larger credit (the library's before), read beside it to show what the credit costs.
+OTHER_PREFETCH = 100
 
 
 @dataclass
@@ -510,8 +510,8 @@ def raw_stream(messages: int) -> dict[str, Any]:
     signed result record: publishes a second without confirms (the broker packs many
     into each chunk) and each confirmed before the next (one message a chunk, as a
     worker at 100 jobs/s writes); then reads of 1,000 messages from each part, with
-    the library's credit (1,000): the time to the first delivery (the broker prepares
-    the whole credit before it sends any) and to the last."""
+    a credit of 1,000: the time to the first delivery (the broker prepares the whole
+    credit before it sends any) and to the last."""
     sign: Sign = lambda body: {"x-deferred-signature": "hmac-sha256:" + "0" * 64}  # noqa: E731
     name = f"deferred-bench-raw-stream-{uuid.uuid4().hex[:8]}"
     connection = pika.BlockingConnection(pika.URLParameters(BROKER_URL))
@@ -541,7 +541,9 @@ def raw_stream(messages: int) -> dict[str, Any]:
             confirming.basic_publish("", name, body, props)
         out["publish_confirm_each_per_s"] = count / (time.perf_counter() - start)
         for part, offset in (("packed", 0), ("one_a_chunk", messages)):
-            reads = [raw_read(BROKER_URL, name, offset, count=1000) for _ in range(5)]
+            reads = [
+                raw_read(BROKER_URL, name, offset, count=1000, prefetch=1000) for _ in range(5)
+            ]
             out[f"read_1000_{part}_first_ms"] = stats([r.first_ms or 0.0 for r in reads])
             out[f"read_1000_{part}_ms"] = stats([r.ms for r in reads])
     finally:
@@ -740,8 +742,8 @@ def lookups_main(argv: list[str]) -> int:
         sample["state"] = found.state
         sample["complete"] = found.complete
         if tick % 3 == 0:
-            # A third as many raw reads of the same job, half with a smaller credit.
-            prefetch = LIBRARY_PREFETCH if (tick // 6) % 2 == 0 else SMALL_PREFETCH
+            # A third as many raw reads of the same job, half with another credit.
+            prefetch = LIBRARY_PREFETCH if (tick // 6) % 2 == 0 else OTHER_PREFETCH
             errors.doing = f"raw{prefetch}"
             try:
                 raw = raw_read(url, stream, since, job_id, prefetch)
@@ -952,7 +954,7 @@ def print_lookup(out: dict[str, Any]) -> None:
             f"  {group or 'all'}: result() {_row(stats([s['ms'] for s in chosen]))}; ages "
             f"{min(ages):.0f}-{max(ages):.0f} s; states {dict(states)}; incomplete {incomplete}"
         )
-        for prefetch in (LIBRARY_PREFETCH, SMALL_PREFETCH):
+        for prefetch in (LIBRARY_PREFETCH, OTHER_PREFETCH):
             raws = [s for s in chosen if s.get("raw_prefetch") == prefetch]
             if raws:
                 print(
@@ -1012,9 +1014,9 @@ def part_day(args: argparse.Namespace) -> dict[str, Any]:
             assert due is not None
             since = due - timedelta(seconds=CLOCK_SLACK_S)
             lib: list[float] = []
-            raws: dict[int, list[Read]] = {LIBRARY_PREFETCH: [], SMALL_PREFETCH: []}
+            raws: dict[int, list[Read]] = {LIBRARY_PREFETCH: [], OTHER_PREFETCH: []}
             states: Counter[str] = Counter()
-            steps = ["lib", LIBRARY_PREFETCH, SMALL_PREFETCH]
+            steps = ["lib", LIBRARY_PREFETCH, OTHER_PREFETCH]
             for k in range(n):
                 for step in steps[k % 3 :] + steps[: k % 3]:
                     errors.doing = str(step)
@@ -1135,7 +1137,7 @@ def _checkpoint(point: dict[str, Any]) -> str:
     raws = "; ".join(
         f"raw read, credit {p}: {_row(point[f'raw{p}_ms'])}, first delivery p50 "
         f"{point[f'raw{p}_first_ms']['p50']:.1f} ms, {point[f'raw{p}_messages']:.0f} messages"
-        for p in (LIBRARY_PREFETCH, SMALL_PREFETCH)
+        for p in (LIBRARY_PREFETCH, OTHER_PREFETCH)
     )
     return (
         f"{head}result() {_row(point['lib_ms'])} (first {point['first_ms']:.1f}); {raws}; "

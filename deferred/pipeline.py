@@ -34,7 +34,6 @@ fourth, :class:`Hold`, tells it to wait.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -49,7 +48,6 @@ from deferred.broker import (
     BrokerUnavailable,
     Delivery,
     Outgoing,
-    Written,
     publisher,
 )
 from deferred.cancels import CancelWatch
@@ -136,8 +134,6 @@ class Pipeline:
         self.watchdog = watchdog
         #: Writes each job's start and outcome to the results stream; ``None``: off.
         self.results = results
-        #: Per thread: the message the last outcome's result record goes out in.
-        self._written = threading.local()
         #: Quorum queues count deliveries themselves (x-delivery-limit).
         self.count_redeliveries = settings.queue_type == "classic"
         #: Task names resolved here: the only task labels the metrics use.
@@ -591,18 +587,13 @@ class Pipeline:
         """The job's log line, its outcome told to the observers (with its timings if
         it ran) and, if it ends an attempt, to the results stream; returns ``outcome``.
 
-        The job is to be acked only once its result record's message is settled
-        (:meth:`take_written`): a worker killed before that runs the job again,
-        and its outcome is written then. A record the broker could not take
-        within ``PUBLISH_TIMEOUT`` is lost, and the job is acked all the same:
-        running it twice is worse than a missing result, which reads as the
-        records before it ("running", or "pending") until ``RESULT_TTL``.
+        The job is acked as soon as this returns: its result record goes out
+        within the results writer's ``LINGER_S``, with other jobs' records
+        (:mod:`deferred.results` says what that costs and what it risks).
         """
         event = _RESULT_EVENTS.get(outcome)
         if event is not None and self.results is not None and keeps_result(job):
-            self._written.message = self.results.ended(
-                job, event, utcnow(), value=value, error=error, reason=reason
-            )
+            self.results.ended(job, event, utcnow(), value=value, error=error, reason=reason)
         logger.log(
             outcome.level,
             JOB_LINE,
@@ -622,13 +613,6 @@ class Pipeline:
             duration_s=duration_ms / 1000 if ran else None,
         )
         return outcome
-
-    def take_written(self) -> Written | None:
-        """The result message of the outcome this thread settled last (``None``: none);
-        the caller acks the job once it is confirmed. Forgotten once taken."""
-        message: Written | None = getattr(self._written, "message", None)
-        self._written.message = None
-        return message
 
     def _label(self, job: Job) -> str:
         """``job.task`` if it names a task of this worker, else ``unknown`` (a bounded label)."""

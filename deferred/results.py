@@ -5,18 +5,23 @@ the cancels) that RabbitMQ keeps for ``RESULT_TTL`` and trims by whole
 segments. A worker appends a record when an attempt starts and one when it
 ends (succeeded, failed, retrying, cancelled or superseded); a record is a few
 hundred bytes of JSON, and the records of many jobs share one stream message
-(:class:`deferred.broker.results.ResultWriter` sends what arrived while the
-previous message waited for its confirm), so the broker sees one message per
-confirm round trip, not two per job.
+(:class:`deferred.broker.results.ResultWriter` sends what arrived within its
+linger, or while the previous message waited for its confirm), so the broker
+sees a few messages a second per worker, not two per job.
 
-A job is acked once the message with its outcome is settled: confirmed, or
-given up after ``PUBLISH_TIMEOUT``. A worker killed before that runs the job
-again, and writes its outcome then. A record the broker could not take (the
-results stream unreachable for longer than ``PUBLISH_TIMEOUT``) is lost, and
-the job is acked all the same: running a job twice because its result could
-not be written is worse than a missing result. Such a job reads as the last
-record of it that did go out, "running" (or "pending" for a short job, whose
-start goes out with its end) until ``RESULT_TTL``; the worker logs a warning.
+A job is acked as soon as it ends. Its records go out with other jobs' within
+the writer's ``LINGER_S`` (50 ms): one message for many jobs, which a look-up
+reads as one (see below), and no job waits for a confirm. The price is a
+window: a worker killed outright (``SIGKILL``, the machine lost) takes with it
+the records of the jobs that ended in its last ``LINGER_S`` or so. Such a job
+reads as the last record of it that did go out: "running" if it ran longer
+than ``STARTED_AFTER_S``, else "pending", until ``RESULT_TTL``. A worker that
+stops (``SIGTERM``, recycling, a hard time limit) writes everything first. A
+record the broker cannot take within ``PUBLISH_TIMEOUT`` is lost the same
+way, and logged. Acking each job only once its record was confirmed closed
+the window, but held the job's prefetch slot through the linger and the
+confirm: a worker draining a backlog ran at 27-29% of its rate without
+results (``docs/bench/capacity.md``). A job never runs twice for a result.
 
 How a result is found without an index: a job id carries the job's first due
 time (:func:`deferred.jobs.due_of`), and no attempt starts before it (never
@@ -581,10 +586,9 @@ class Recorder:
         error: BaseException | None = None,
         reason: str | None = None,
     ) -> broker.Written:
-        """An attempt ended (or the job was dropped). The worker acks the job once the
-        returned message is settled: confirmed, or given up (then the record is
-        lost, the job is not run again for it, and its result reads as the
-        records before)."""
+        """An attempt ended (or the job was dropped): its record goes out in the
+        returned message, within ``LINGER_S``. The worker acks the job without
+        waiting for it (see the module's docstring)."""
         record: dict[str, Any] = {
             "id": job.id,
             "ev": event,

@@ -369,9 +369,6 @@ class Worker:
                 continue
             try:
                 outcome = self.pipeline.timed_out(watch)
-                written = self.pipeline.take_written()
-                if written is not None:
-                    written.wait(self.settings.publish_timeout_s)
             except Exception as exc:  # noqa: BLE001 - the broker, or anything else: not acked
                 logger.error(
                     "Could not record job %s as timed out (%s); RabbitMQ will deliver it "
@@ -530,7 +527,6 @@ class Worker:
             with self._lock:
                 self._inflight -= 1
             return
-        self.pipeline.take_written()  # nothing of an earlier job on this thread
         try:
             if not self.consumer.holds(delivery):
                 raise Released
@@ -569,14 +565,7 @@ class Worker:
             )
             self._stopping.wait(REQUEUE_PAUSE_S)
         finally:
-            written = self.pipeline.take_written()
-            if written is not None and not released:
-                # Settled once its result record is confirmed or given up (on the
-                # results writer's thread; a lost record never runs the job again):
-                # this thread goes on to the next job meanwhile.
-                written.add_done_callback(lambda _ok: self._settle(delivery, ack, abandoned))
-            else:
-                self._settle(delivery, ack, abandoned, released=released)
+            self._settle(delivery, ack, abandoned, released=released)
 
     def _settle(
         self, delivery: Delivery, ack: bool, abandoned: bool, *, released: bool = False

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 import threading
 import time
 import uuid
@@ -356,3 +357,18 @@ def test_a_result_looked_up_during_a_worker_restart(worker_process, run_worker, 
     assert deferred.result(job_id).state == "succeeded"
     run_worker(concurrency=1)
     assert deferred.result(job_id) == done
+
+
+def test_a_worker_stopped_as_its_jobs_end_writes_every_result_first(worker_process, records):
+    # Jobs are acked as they end and their records go out a moment later, many a message:
+    # a worker told to stop then must write them all before it exits.
+    worker = worker_process("--concurrency", "4")
+    ids = [defer(record, 0, records, f"stop-{n}") for n in range(40)]
+    assert wait_for(lambda: len(read_records(records)) >= 40, 20)
+    worker.signal(signal.SIGTERM)
+    assert worker.wait(30) == 0, worker.output()
+    # No worker runs now: what is not in the stream yet never will be
+    found = {job_id: deferred.result(job_id) for job_id in ids}
+    assert {r.state for r in found.values()} == {"succeeded"}, [
+        (i, r.state) for i, r in found.items() if r.state != "succeeded"
+    ]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import threading
+import time
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -382,3 +384,42 @@ def test_an_incomplete_result_says_so():
     assert found.as_dict()["complete"] is False
     assert "ran out of time" in render_text(found)
     assert "ran out of time" not in render_text(fold(JOB, [rec("failed", 0)]))
+
+
+def test_a_writer_behind_the_jobs_makes_them_wait_for_room_then_gives_their_records_up(
+    monkeypatch,
+):
+    from deferred.broker import results as broker_results
+
+    sender = _Sender()
+    monkeypatch.setattr(broker_results, "publisher", lambda urls, timeout: sender)
+    # Not started: nothing takes records out, as a writer stuck on a slow broker
+    writer = broker_results.ResultWriter(
+        "amqp://guest:guest@127.0.0.1:1/%2F",
+        "x",
+        "result",
+        lambda records: (json.dumps(records).encode(), {}),
+        timeout=0.2,
+        max_waiting=2,
+    )
+    first, second = writer.write("a"), writer.write("b")
+    assert first is second and writer.lost == 0
+    t0 = time.monotonic()
+    third = writer.write("c")
+    waited = time.monotonic() - t0
+    assert 0.15 <= waited < 2 and not third.wait(0) and writer.lost == 1
+    # Room again once the writer takes the waiting records: a job thread waiting is let in
+    let_in: list = []
+    waiting = threading.Thread(target=lambda: let_in.append(writer.write("d")))
+    writer.timeout = 5
+    waiting.start()
+    time.sleep(0.05)
+    assert not let_in
+    writer.start()
+    waiting.join(5)
+    try:
+        assert let_in and let_in[0].wait(5)
+        assert first.wait(5) and json.loads(sender.sent[0]) == ["a", "b"]
+        assert b'"d"' in sender.sent[-1]
+    finally:
+        writer.stop()

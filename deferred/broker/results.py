@@ -58,9 +58,18 @@ logger = logging.getLogger("deferred.broker")
 #: The most records one stream message carries.
 RECORDS_PER_MESSAGE = 500
 #: How long the writer waits, after a record arrives, for others to share its
-#: message: fewer, larger messages for the broker, at the cost of this much
-#: later acks (the job threads do not wait for it).
-LINGER_S = 0.005
+#: message. A look-up reads the stream message by message, and RabbitMQ's cost
+#: is per message (a stream chunk each, at the rates workers write): at 100
+#: jobs/s, 5 ms made 1.7 records a message and a look-up read about 50 messages
+#: to reach its job, over 20 ms of the broker's time alone. No job waits for it
+#: (jobs are acked as they end); what it delays is when a finished job reads as
+#: such, and it is the window of records a worker killed outright takes with it.
+LINGER_S = 0.05
+#: The most records waiting for the writer. A job thread that would add one more
+#: waits for room (``PUBLISH_TIMEOUT`` at most, then the record is counted lost):
+#: a results stream slower than the jobs slows the jobs, rather than the
+#: worker's memory growing without bound.
+MAX_WAITING = 20_000
 #: How long a reader waits with no delivery before it writes its marker. A fresh
 #: consumer is handed its first messages some milliseconds after it subscribed
 #: (mostly under 20 ms, rarely up to about 60 ms, measured on a loaded host); a
@@ -72,6 +81,14 @@ IDLE_S = 0.1
 #: The marker is written at the latest this long after the read began, quiet or not:
 #: a stream the workers append to more often than ``IDLE_S`` never goes quiet.
 MARK_BY_S = 0.3
+#: A look-up's credit: the messages the broker may send ahead of its acks. RabbitMQ
+#: 3.10 reads a stream consumer's whole credit from disk before it sends the first
+#: message: with messages of a chunk each (a worker's writes at moderate rates),
+#: the first delivery came after 7 ms with a credit of 5 or 10, 16 ms with 50 and
+#: 23-25 ms with 100, and reading 15 messages took 18 ms with 10 against 55 ms with
+#: 100 (connection included, one machine). The reader acks as it goes, so the
+#: credit refills; a finished job's record is one of the first messages read.
+READ_CREDIT = 10
 #: How long past its own deadline a read's connection is torn down, should a call
 #: block (a broker that stopped answering): the read itself stops at the deadline.
 BACKSTOP_S = 1.0
@@ -122,7 +139,7 @@ class ResultWriter:
     ``encode(records) -> (body, headers)`` makes one message of a batch (the
     caller signs it). :meth:`write` queues a record and returns the
     :class:`Written` it goes out in, whose callbacks run once the broker
-    confirmed it: a worker acks a job only then, without a thread waiting.
+    confirmed it or it was given up (for tests, and for whoever must know).
     :meth:`delay` queues a record to go out ``after_s`` from now unless
     :meth:`take` takes it back first (a job's "started" record, which a job
     that ends sooner folds into its final one).
@@ -137,6 +154,7 @@ class ResultWriter:
         *,
         timeout: float,
         linger_s: float = LINGER_S,
+        max_waiting: int = MAX_WAITING,
     ) -> None:
         self.urls = as_urls(urls)
         self.exchange = exchange
@@ -144,6 +162,7 @@ class ResultWriter:
         self.encode = encode
         self.timeout = timeout
         self.linger_s = linger_s
+        self.max_waiting = max_waiting
         self._cond = threading.Condition()
         self._next = Written()
         #: Delayed records by key: (when they go out, time.monotonic(); the record).
@@ -160,16 +179,24 @@ class ResultWriter:
         self._thread.start()
 
     def write(self, record: Any) -> Written:
-        """Queue ``record`` for the next message; once stopped, a message already
-        given up (``ok`` false)."""
+        """Queue ``record`` for the next message; once stopped, or with no room for
+        ``timeout`` seconds (:data:`MAX_WAITING`), a message already given up (``ok`` false)."""
         with self._cond:
-            if self._stopped:
+            deadline = time.monotonic() + self.timeout
+            while not self._stopped and len(self._next.records) >= self.max_waiting:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+            if self._stopped or len(self._next.records) >= self.max_waiting:
+                self.lost += 1
                 gone = Written([record])
                 gone._finish(False)
                 return gone
             written = self._next
             written.records.append(record)
-            self._cond.notify()
+            if len(written.records) == 1:  # the writer waits for a first record only
+                self._cond.notify_all()
         return written
 
     def delay(self, key: str, record: Any, after_s: float) -> None:
@@ -177,7 +204,7 @@ class ResultWriter:
         with self._cond:
             if not self._stopped:
                 self._delayed[key] = (time.monotonic() + after_s, record)
-                self._cond.notify()
+                self._cond.notify_all()
 
     def take(self, key: str) -> Any:
         """The delayed record ``key`` if it has not gone out yet (it no longer will)."""
@@ -185,18 +212,20 @@ class ResultWriter:
             entry = self._delayed.pop(key, None)
         return None if entry is None else entry[1]
 
-    def stop(self, timeout: float = 5.0) -> None:
-        """Publish what is queued (delayed records too), then end the thread."""
+    def stop(self, timeout: float | None = None) -> None:
+        """Publish what is queued (delayed records too), then end the thread; waits
+        ``timeout`` seconds at most (default: the publish timeout, and a second)."""
         with self._cond:
             self._stopped = True
-            self._cond.notify()
+            self._cond.notify_all()
         if self._thread is not None:
-            self._thread.join(timeout)
+            self._thread.join(self.timeout + 1.0 if timeout is None else timeout)
 
     def _run(self) -> None:
-        """The writer's thread. Nothing may end it but :meth:`stop`: every later job's
-        ack waits for its record's message to be settled here, so a dead writer
-        would leave a worker that runs jobs and never acks one."""
+        """The writer's thread. Nothing may end it but :meth:`stop`: a dead writer
+        would leave a worker whose jobs run and whose results are never written,
+        and, once :data:`MAX_WAITING` records wait, whose jobs each wait
+        ``PUBLISH_TIMEOUT`` for room."""
         while True:
             try:
                 written = self._collect()
@@ -227,6 +256,7 @@ class ResultWriter:
             now = time.monotonic()
             due = [k for k, (at, _r) in self._delayed.items() if at <= now or self._stopped]
             written, self._next = self._next, Written()
+            self._cond.notify_all()  # room again for job threads waiting in write()
             # Delayed records first: a "started" record goes out before what follows it.
             written.records[:0] = [self._delayed.pop(k)[1] for k in due]
             return written
@@ -366,9 +396,7 @@ class ResultReader:
             elif on_message(body, dict(props.headers or {})):
                 progress.end = ReadEnd.FOUND
 
-        # Credit 100, not 1000: the stream hands the first messages over sooner
-        # (first delivery p50 22 ms against 165 ms at 100 jobs/s, bench/results.py).
-        channel.basic_qos(prefetch_count=100)
+        channel.basic_qos(prefetch_count=READ_CREDIT)
         channel.basic_consume(self.stream, deliver, arguments={"x-stream-offset": since})
         marked = False
         while progress.end is None:
