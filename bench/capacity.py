@@ -51,6 +51,36 @@ WARM_UP_RATE, WARM_UP_S = 200, 2.0
 PRODUCER_THREADS = 8
 
 
+def producer_command(
+    rate: float,
+    seconds: float,
+    ids: Path,
+    *,
+    low: float = LOW_S,
+    high: float = HIGH_S,
+    threads: int = PRODUCER_THREADS,
+    live: bool = False,
+) -> list[str]:
+    """The harness's producer (``e2e_app.produce``) as a command line: ``rate`` jobs/s
+    for ``seconds``, delays uniform in ``low``-``high`` s, their ids written to ``ids``."""
+    return [
+        sys.executable,
+        "-m",
+        "e2e_app.produce",
+        str(rate),
+        str(seconds),
+        "--low",
+        str(low),
+        "--high",
+        str(high),
+        "--ids",
+        str(ids),
+        "--threads",
+        str(threads),
+        *(["--live"] if live else []),
+    ]
+
+
 @dataclass(frozen=True)
 class Checkout:
     name: str
@@ -123,21 +153,7 @@ class Point:
     ) -> dict[str, Any]:
         """Run the producer; CPU of the broker and the worker over its measured window."""
         assert self.worker is not None
-        command = [
-            sys.executable,
-            "-m",
-            "e2e_app.produce",
-            str(rate),
-            str(seconds),
-            "--low",
-            str(LOW_S),
-            "--high",
-            str(HIGH_S),
-            "--ids",
-            str(ids),
-            "--threads",
-            str(PRODUCER_THREADS),
-        ]
+        command = producer_command(rate, seconds, ids)
         if profile is not None:
             command = [
                 "py-spy",

@@ -641,22 +641,9 @@ def _produce(
     live: bool = False,
 ) -> dict[str, Any]:
     """The harness's producer (``e2e_app.produce``), without waiting for a worker."""
-    command = [
-        sys.executable,
-        "-m",
-        "e2e_app.produce",
-        str(rate),
-        str(seconds),
-        "--low",
-        str(low),
-        "--high",
-        str(high),
-        "--ids",
-        str(ids),
-        "--threads",
-        str(threads),
-        *(["--live"] if live else []),
-    ]
+    from bench.capacity import producer_command
+
+    command = producer_command(rate, seconds, ids, low=low, high=high, threads=threads, live=live)
     done = subprocess.run(
         command, env=point.env, cwd=point.work, text=True, capture_output=True, check=False
     )
