@@ -56,6 +56,14 @@ DATABASES = {
         "NAME": os.environ.setdefault(
             "DEFERRED_TEST_DB", os.path.join(tempfile.gettempdir(), "deferred-tests.sqlite3")
         ),
+        # A file, not Django's default shared-cache memory database: there a worker
+        # thread's open write transaction makes the test's own reads fail at once with
+        # "database table is locked" (SQLite's busy timeout does not cover it). In WAL
+        # mode readers never wait for the writer, and writers wait their turn.
+        "TEST": {
+            "NAME": os.path.join(tempfile.gettempdir(), f"deferred-test-db-{os.getpid()}.sqlite3")
+        },
+        "OPTIONS": {"init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=OFF;"},
     },
     # A second database, for on-commit publishing across two transactions.
     "other": {
