@@ -2,7 +2,7 @@
 
 python -m bench.results [--only lookup,day,throughput] [--out FILE]
     lookup:     [--seconds 240] [--lookup-rate 3] [--lookups-from 40] [--fill-at 120]
-                [--hour-records 360000]
+                [--hour-records 360000] [--cache redis://127.0.0.1:6379/5]
     day:        [--day-records 8640000] [--max-write-s 420] [--lookups 15]
     throughput: [--rates 500,1000] [--rate-seconds 20] [--rounds 2] [--backlog 20000]
                 [--concurrency 4]
@@ -28,7 +28,9 @@ raw limits, measured in the same run.
   the stream at once, look-ups paused: the jobs that finished before it then
   lie an hour of stream back, as a job that finished an hour ago does; after
   it the look-ups alternate between those and the jobs finished since. CPU of
-  the broker, the worker and the looker, without look-ups and with them.
+  the broker, the worker and the looker, without look-ups and with them. With
+  ``--cache URL``, the worker and the looker share a Redis cache as
+  ``RESULT_CACHE``.
 - ``day``: a job that finished a day ago, emulated. What such a look-up pays
   is the seek through a day of stream and the read from the job's due time to
   its end. The job's segment is filled as a worker fills it (one message a
@@ -810,7 +812,22 @@ def part_lookup(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"raw": raw_limits(args.raw)}
     base = _data_dir()
     work = Path(tempfile.mkdtemp(prefix="deferred-results-"))
-    point = Point(Checkout("main", ROOT), "classic", {}, work)
+    extra: dict[str, Any] = {}
+    if args.cache:
+        # RESULT_CACHE: a Redis cache the worker and the looker share.
+        extra = {"RESULT_CACHE": "results"}
+    point = Point(Checkout("main", ROOT), "classic", extra, work)
+    if args.cache:
+        point.env["E2E_CACHES"] = json.dumps(
+            {
+                "default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
+                "results": {
+                    "BACKEND": "django.core.cache.backends.redis.RedisCache",
+                    "LOCATION": args.cache,
+                    "KEY_PREFIX": point.prefix,
+                },
+            }
+        )
     ids, pause, fill_file = work / "load.ids", work / "pause", work / "fill.json"
     try:
         point.start()
@@ -905,6 +922,7 @@ def part_lookup(args: argparse.Namespace) -> dict[str, Any]:
     out.update(
         {
             "seconds": args.seconds,
+            "cache": args.cache,
             "lookups_from": args.lookups_from,
             "produced": produced,
             "jobs": len(wanted),
@@ -927,7 +945,8 @@ def part_lookup(args: argparse.Namespace) -> dict[str, Any]:
 def print_lookup(out: dict[str, Any]) -> None:
     samples = out["samples"]
     print(
-        f"\nlookup: {len(samples)} look-ups; jobs {out['jobs']:,}, ran {out['ran']:,}; "
+        f"\nlookup{' with RESULT_CACHE ' + out['cache'] if out.get('cache') else ''}: "
+        f"{len(samples)} look-ups; jobs {out['jobs']:,}, ran {out['ran']:,}; "
         f"lateness {_row(out['lateness_ms'])}; steady {_row(out['lateness_steady_ms'])}"
     )
     errors = [s for s in samples if "error" in s]
@@ -1297,6 +1316,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lookups-from", type=float, default=40, help="lookup: look-ups from")
     parser.add_argument("--fill-at", type=float, default=120, help="lookup: the hour's burst at")
     parser.add_argument("--hour-records", type=int, default=HOUR_RECORDS)
+    parser.add_argument(
+        "--cache", default="", help="lookup: RESULT_CACHE on, a Redis cache at this URL"
+    )
     parser.add_argument("--day-records", type=int, default=DAY_RECORDS)
     parser.add_argument("--max-write-s", type=float, default=420)
     parser.add_argument("--segment-messages", type=int, default=25_000)

@@ -149,6 +149,38 @@ def check_signing(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
     ]
 
 
+#: Cache backends whose entries one process alone sees (or none does).
+PROCESS_CACHES = (
+    "django.core.cache.backends.locmem.LocMemCache",
+    "django.core.cache.backends.dummy.DummyCache",
+)
+
+
+@register()
+def check_result_cache(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """Warn of a ``RESULT_CACHE`` that workers and web processes cannot share: the
+    worker would fill its own, and look-ups would never find an entry."""
+    try:
+        settings = get_settings()
+    except ImproperlyConfigured:
+        return []
+    if settings.result_cache is None:
+        return []
+    backend = django_settings.CACHES.get(settings.result_cache, {}).get("BACKEND", "")
+    if backend not in PROCESS_CACHES:
+        return []
+    kind = backend.rsplit(".", 1)[-1]
+    return [
+        Warning(
+            f"DEFERRED['RESULT_CACHE'] is {settings.result_cache!r}, a {kind}: "
+            "each process has its own, so what a worker puts there no look-up finds.",
+            hint="Name a cache every worker and web process shares (Redis, Memcached, the "
+            "database cache), or set RESULT_CACHE to None.",
+            id="deferred.W006",
+        )
+    ]
+
+
 def _is_loopback(host: str | None) -> bool:
     if not host or host == "localhost":
         return True

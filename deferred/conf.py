@@ -189,6 +189,14 @@ DEFAULTS: dict[str, Any] = {
     # The largest return value kept, as JSON (0 to 1 MiB); a larger one, or
     # one JSON cannot carry, is left out of the result (value_kept is False).
     "RESULT_MAX_BYTES": 64 * 1024,
+    # A cache alias from CACHES that every worker and web process shares
+    # (Redis, Memcached, the database): workers put a finished job's result
+    # there once the stream has it, and result() looks there first. Never the
+    # only copy; None: look-ups read the stream.
+    "RESULT_CACHE": None,
+    # How long a result stays in RESULT_CACHE (timedelta or seconds, at most
+    # RESULT_TTL); after that, look-ups of it read the stream.
+    "RESULT_CACHE_TIMEOUT": timedelta(hours=1),
 }
 
 #: The management plugin's default ports, plain and TLS.
@@ -290,6 +298,10 @@ class DeferredSettings:
     result_ttl_ms: int = RESULT_TTL_MS
     #: The largest return value kept, in bytes of JSON (``RESULT_MAX_BYTES``).
     result_max_bytes: int = 64 * 1024
+    #: The cache alias finished results are also put in (``RESULT_CACHE``; None: none).
+    result_cache: str | None = None
+    #: How long they stay there, in seconds (``RESULT_CACHE_TIMEOUT``).
+    result_cache_timeout_s: float = 3600.0
 
     @property
     def broker_url(self) -> str:
@@ -426,6 +438,26 @@ def _results(enabled: Any, ttl: Any, max_bytes: Any) -> tuple[bool, int, int]:
             f"{MAX_RESULT_BYTES}, got {max_bytes!r}."
         )
     return enabled, math.ceil(ttl_ms), max_bytes
+
+
+def _result_cache(alias: Any, timeout: Any, result_ttl_ms: int) -> tuple[str | None, float]:
+    """RESULT_CACHE (an alias of CACHES, or None) and RESULT_CACHE_TIMEOUT (seconds), checked."""
+    timeout_ms = _duration_ms("RESULT_CACHE_TIMEOUT", timeout)
+    if not 1000 <= timeout_ms <= result_ttl_ms:
+        raise ImproperlyConfigured(
+            "DEFERRED['RESULT_CACHE_TIMEOUT'] must be from 1 second to RESULT_TTL "
+            f"({result_ttl_ms / 1000:g} s): the cache only speeds up what the stream keeps; "
+            f"got {timeout!r}."
+        )
+    if alias is None:
+        return None, timeout_ms / 1000
+    caches = getattr(django_settings, "CACHES", {}) or {}
+    if not isinstance(alias, str) or alias not in caches:
+        raise ImproperlyConfigured(
+            f"DEFERRED['RESULT_CACHE'] must be None or an alias of CACHES "
+            f"({', '.join(map(repr, caches)) or 'none configured'}), got {alias!r}."
+        )
+    return alias, timeout_ms / 1000
 
 
 def _duration_ms(name: str, value: Any) -> float:
@@ -676,6 +708,9 @@ def _build(raw: Any) -> DeferredSettings:
     results, result_ttl_ms, result_max_bytes = _results(
         values["RESULTS"], values["RESULT_TTL"], values["RESULT_MAX_BYTES"]
     )
+    result_cache, result_cache_timeout_s = _result_cache(
+        values["RESULT_CACHE"], values["RESULT_CACHE_TIMEOUT"], result_ttl_ms
+    )
     tls = _tls(values)
     if tls is not None:
         broker_urls = tuple(_with_tls(url, tls) for url in broker_urls)
@@ -715,6 +750,8 @@ def _build(raw: Any) -> DeferredSettings:
         results=results,
         result_ttl_ms=result_ttl_ms,
         result_max_bytes=result_max_bytes,
+        result_cache=result_cache,
+        result_cache_timeout_s=result_cache_timeout_s,
     )
     # The plan enforces the limits that depend on several values at once
     # (routing-key length); building it here makes them configuration errors.

@@ -79,7 +79,7 @@ from datetime import UTC, datetime, timedelta
 from functools import lru_cache
 from typing import Any
 
-from deferred import broker, signing
+from deferred import broker, result_cache, signing
 from deferred.broker.results import ReadEnd
 from deferred.conf import DeferredSettings, get_settings
 from deferred.jobs import Job, due_of, utcnow
@@ -237,6 +237,9 @@ def result(job_id: str, *, timeout: float | None = None) -> Result:
     since = _since(job_id)
     if _beyond_retention(job_id, settings):
         return Result(id=job_id)
+    cached = _from_cache(settings, job_id)
+    if cached is not None:
+        return cached
     records, complete = _read(settings, job_id, since, timeout)
     found = fold(job_id, records)
     return found if complete else replace(found, complete=False)
@@ -254,6 +257,16 @@ def _since(job_id: str) -> datetime:
     if due is None:
         raise ValueError(f"{job_id!r} is not a job id (defer() returns one).")
     return due - timedelta(seconds=CLOCK_SLACK_S)
+
+
+def _from_cache(settings: DeferredSettings, job_id: str) -> Result | None:
+    """The job's result from ``RESULT_CACHE``, if it is there, signed right, and final
+    (:mod:`deferred.result_cache` says what is put there); else ``None``."""
+    entry = result_cache.get(settings, job_id)
+    if entry is None:
+        return None
+    found = fold(job_id, decode(*entry, settings.signing_keys if settings.signing else None))
+    return found if found.outcome in LAST_EVENTS else None
 
 
 def _beyond_retention(job_id: str, settings: DeferredSettings) -> bool:
@@ -552,6 +565,15 @@ class Recorder:
         )
         self._started = False
         self._lock = threading.Lock()
+        #: Puts finished results in ``RESULT_CACHE`` too, if one is set.
+        self.cache = (
+            None
+            if settings.result_cache is None
+            else result_cache.CachePutter(settings, settings.result_cache)
+        )
+        #: With a cache: the "started" record of each attempt running, which the
+        #: cache entry needs even once it went out on its own.
+        self._starts: dict[str, dict[str, Any]] = {}
 
     def start(self) -> None:
         with self._lock:
@@ -574,7 +596,10 @@ class Recorder:
             "task": job.task,
         }
         _with_run(record, job)
-        self.writer.delay(_attempt_key(job), _with_call(record, job), STARTED_AFTER_S)
+        _with_call(record, job)
+        if self.cache is not None:
+            self._starts[_attempt_key(job)] = record
+        self.writer.delay(_attempt_key(job), record, STARTED_AFTER_S)
 
     def ended(
         self,
@@ -598,15 +623,21 @@ class Recorder:
         }
         _with_run(record, job)
         start = self.writer.take(_attempt_key(job))
+        started = None if self.cache is None else self._starts.pop(_attempt_key(job), None)
         if start is not None:  # ended before its "started" record went out: one record
             record.update(st=start["at"], w=start["w"])
+            started = None
         if event == "succeeded":
             record.update(value_record(value, self.settings.result_max_bytes))
         if error is not None:
             record["err"] = error_of(error)
         if reason is not None:
             record["reason"] = reason
-        return self.writer.write(_with_call(record, job))
+        written = self.writer.write(_with_call(record, job))
+        if self.cache is not None and result_cache.cacheable(record):
+            records = [record] if started is None else [started, record]
+            self.cache.add(written, job.id, _signed(encode(records), self.settings.signing_keys))
+        return written
 
 
 def record_redrive(settings: DeferredSettings, job: Job) -> None:

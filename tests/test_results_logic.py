@@ -423,3 +423,46 @@ def test_a_writer_behind_the_jobs_makes_them_wait_for_room_then_gives_their_reco
         assert b'"d"' in sender.sent[-1]
     finally:
         writer.stop()
+
+
+# ---------------------------------------------------------------- the results cache
+
+
+def test_only_a_first_attempts_lasting_end_is_cacheable():
+    from deferred.result_cache import cacheable
+
+    assert cacheable({"ev": "succeeded", "a": 1})
+    assert cacheable({"ev": "cancelled"})  # dropped before it started
+    assert cacheable({"ev": "superseded", "a": 1})
+    assert not cacheable({"ev": "succeeded", "a": 2})  # other workers ran attempt 1
+    assert not cacheable({"ev": "failed", "a": 1})  # may be re-driven
+    assert not cacheable({"ev": "retrying", "a": 1})
+    assert not cacheable({"ev": "succeeded", "a": 1, "run": 123})  # a re-driven run
+
+
+def test_the_cache_putter_puts_a_message_s_entries_once_it_is_confirmed(settings):
+    from django.core.cache import caches
+
+    from deferred.broker.results import Written
+    from deferred.conf import get_settings
+    from deferred.result_cache import CachePutter, cache_key
+
+    settings.CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}
+    cache = caches["default"]
+    cache.clear()
+    putter = CachePutter(get_settings(), "default")
+    confirmed, refused, early = Written(), Written(), Written()
+    putter.add(confirmed, "a", (b"1", {}))
+    putter.add(confirmed, "b", (b"2", {}))
+    putter.add(refused, "c", (b"3", {}))
+    assert cache.get(cache_key(get_settings(), "a")) is None  # not before the confirm
+    confirmed._finish(True)
+    refused._finish(False)
+    assert cache.get(cache_key(get_settings(), "a")) == (b"1", {})
+    assert cache.get(cache_key(get_settings(), "b")) == (b"2", {})
+    assert cache.get(cache_key(get_settings(), "c")) is None
+    # A message confirmed before its entry was added: put at once
+    early._finish(True)
+    putter.add(early, "d", (b"4", {}))
+    assert cache.get(cache_key(get_settings(), "d")) == (b"4", {})
+    assert putter.put == 3 and not putter._batches

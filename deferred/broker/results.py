@@ -25,8 +25,10 @@ this module only moves bytes. Two parts:
 
 from __future__ import annotations
 
+import atexit
 import enum
 import logging
+import queue
 import threading
 import time
 import uuid
@@ -367,8 +369,7 @@ class ResultReader:
                 f"Lost the connection reading stream {self.stream}: {exc!r}"
             ) from exc
         finally:
-            with _stream_close_quiet():
-                close_quietly(connection)
+            _close_later(connection)
 
     def _read(
         self,
@@ -423,6 +424,46 @@ class ResultReader:
         if progress.tag:
             channel.basic_ack(progress.tag, multiple=True)
         return progress.end
+
+
+#: Look-up connections waiting to be closed by :func:`_closer`.
+_to_close: queue.SimpleQueue[pika.BlockingConnection] = queue.SimpleQueue()
+_closer_lock = threading.Lock()
+_closer_thread: threading.Thread | None = None
+
+
+def _close_later(connection: pika.BlockingConnection) -> None:
+    """Close a look-up's connection on a thread of its own: the answer is known by
+    then, and a close waits for the broker to tear the stream consumer down (about
+    3 ms of a 10 ms look-up, measured on one machine), which the caller need not."""
+    global _closer_thread
+    with _closer_lock:
+        if _closer_thread is None or not _closer_thread.is_alive():
+            _closer_thread = threading.Thread(
+                target=_closer, name="deferred-results-closer", daemon=True
+            )
+            _closer_thread.start()
+            atexit.register(_close_pending)
+    _to_close.put(connection)
+
+
+def _closer() -> None:
+    while True:
+        connection = _to_close.get()
+        with _stream_close_quiet():
+            close_quietly(connection)
+
+
+def _close_pending() -> None:
+    """At exit, close what the closer has not got to (a one-off command's look-up):
+    the broker would log a connection closed without a word."""
+    while True:
+        try:
+            connection = _to_close.get_nowait()
+        except queue.Empty:
+            return
+        with _stream_close_quiet():
+            close_quietly(connection)
 
 
 def _stream_close_quiet() -> AbstractContextManager[None]:

@@ -150,7 +150,13 @@ SETTING_TOPICS: dict[str, tuple[str, ...]] = {
     ),
     "Retries and failures": ("MAX_RETRIES", "RETRY_BACKOFF", "DELIVERY_LIMIT"),
     "Recurring jobs and cancels": ("SCHEDULES", "CANCEL_MARGIN"),
-    "Results": ("RESULTS", "RESULT_TTL", "RESULT_MAX_BYTES"),
+    "Results": (
+        "RESULTS",
+        "RESULT_TTL",
+        "RESULT_MAX_BYTES",
+        "RESULT_CACHE",
+        "RESULT_CACHE_TIMEOUT",
+    ),
     "Clusters": ("STUCK_AFTER", "REPAIR_STUCK"),
     "Security": (
         "SIGNING",

@@ -1,6 +1,7 @@
 """Settings for the harness: the library's defaults, a throwaway PREFIX.
 
-``E2E_DEFERRED`` (JSON) adds settings on top, such as ``QUEUE_TYPE``.
+``E2E_DEFERRED`` (JSON) adds settings on top, such as ``QUEUE_TYPE``; ``E2E_CACHES``
+(JSON), if set, is ``CACHES`` (for ``RESULT_CACHE``).
 """
 
 import json
@@ -23,6 +24,9 @@ DEFERRED: dict[str, object] = {
     "PREFIX": os.environ.get("E2E_PREFIX", "deferred-e2e"),
     **json.loads(os.environ.get("E2E_DEFERRED", "{}")),
 }
+
+if os.environ.get("E2E_CACHES"):
+    CACHES = json.loads(os.environ["E2E_CACHES"])
 
 # What a production worker logs: a line per job at INFO.
 LOGGING = {
