@@ -5,7 +5,7 @@ python -m bench.results [--only lookup,day,throughput] [--out FILE]
                 [--hour-records 360000] [--cache redis://127.0.0.1:6379/5]
     day:        [--day-records 8640000] [--max-write-s 420] [--lookups 15]
     throughput: [--rates 500,1000] [--rate-seconds 20] [--rounds 2] [--backlog 20000]
-                [--concurrency 4]
+                [--concurrency 4] [--cache redis://127.0.0.1:6379/5]
 
 Why: results have no table. Workers append each job's records to the stream
 ``PREFIX.results``; ``result(job_id)`` seeks that stream by timestamp to the
@@ -806,6 +806,16 @@ def worker_batches(stream: str) -> dict[str, Any]:
     }
 
 
+def caches_json(url: str) -> str:
+    """The harness's ``CACHES`` (``E2E_CACHES``): ``results``, a Redis cache at ``url``."""
+    return json.dumps(
+        {
+            "default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
+            "results": {"BACKEND": "django.core.cache.backends.redis.RedisCache", "LOCATION": url},
+        }
+    )
+
+
 def part_lookup(args: argparse.Namespace) -> dict[str, Any]:
     from bench.capacity import WARM_UP_RATE, WARM_UP_S, Checkout, Point
 
@@ -818,16 +828,7 @@ def part_lookup(args: argparse.Namespace) -> dict[str, Any]:
         extra = {"RESULT_CACHE": "results"}
     point = Point(Checkout("main", ROOT), "classic", extra, work)
     if args.cache:
-        point.env["E2E_CACHES"] = json.dumps(
-            {
-                "default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
-                "results": {
-                    "BACKEND": "django.core.cache.backends.redis.RedisCache",
-                    "LOCATION": args.cache,
-                    "KEY_PREFIX": point.prefix,
-                },
-            }
-        )
+        point.env["E2E_CACHES"] = caches_json(args.cache)
     ids, pause, fill_file = work / "load.ids", work / "pause", work / "fill.json"
     try:
         point.start()
@@ -1262,10 +1263,16 @@ def part_throughput(args: argparse.Namespace) -> dict[str, Any]:
     }
     on = Checkout("results on", ROOT)
     off = Checkout("results off", ROOT, (("RESULTS", False),))
+    checkouts = [on, off]
+    if args.cache:
+        # Every point's harness gets the cache (Point copies the environment); only
+        # this checkout names it as RESULT_CACHE.
+        os.environ["E2E_CACHES"] = caches_json(args.cache)
+        checkouts.append(Checkout("results + cache", ROOT, (("RESULT_CACHE", "results"),)))
     points = []
     for rate in (float(r) for r in args.rates.split(",") if r):
         for round_ in range(args.rounds):
-            for checkout in (on, off) if round_ % 2 == 0 else (off, on):
+            for checkout in checkouts if round_ % 2 == 0 else checkouts[::-1]:
                 point = measure(
                     checkout, rate, args.rate_seconds, "classic", dict(checkout.settings), None
                 )
@@ -1274,7 +1281,7 @@ def part_throughput(args: argparse.Namespace) -> dict[str, Any]:
                 print(table([point]).splitlines()[-1], flush=True)
     drains = []
     for round_ in range(args.rounds if args.backlog else 0):
-        for checkout in (on, off) if round_ % 2 == 0 else (off, on):
+        for checkout in checkouts if round_ % 2 == 0 else checkouts[::-1]:
             result = drain(checkout, args.backlog)
             result["round"] = round_ + 1
             drains.append(result)
@@ -1317,7 +1324,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fill-at", type=float, default=120, help="lookup: the hour's burst at")
     parser.add_argument("--hour-records", type=int, default=HOUR_RECORDS)
     parser.add_argument(
-        "--cache", default="", help="lookup: RESULT_CACHE on, a Redis cache at this URL"
+        "--cache",
+        default="",
+        help="lookup: RESULT_CACHE on, a Redis cache at this URL; throughput: a third worker so,",
     )
     parser.add_argument("--day-records", type=int, default=DAY_RECORDS)
     parser.add_argument("--max-write-s", type=float, default=420)

@@ -81,9 +81,16 @@ def looks_like_id(value: object) -> bool:
 def due_of(job_id: str) -> datetime | None:
     """The first due time a job id carries (to the millisecond, rounded down);
     ``None`` for a string that is not an id this library makes."""
+    ms = due_ms_of(job_id)
+    return None if ms is None else datetime.fromtimestamp(ms / 1000, UTC)
+
+
+def due_ms_of(job_id: str) -> int | None:
+    """:func:`due_of` in milliseconds since the epoch, without making a datetime (the
+    results recorder asks for it twice a job)."""
     if not isinstance(job_id, str) or not _ID_RE.match(job_id):
         return None
-    return datetime.fromtimestamp(int(job_id[:12], 16) / 1000, UTC)
+    return int(job_id[:12], 16)
 
 
 def body_level(body: bytes) -> int | None:

@@ -17,16 +17,18 @@ list may run it again under the same id): those read the stream. An entry is
 the stream message's own encoding of those records, signed with the jobs'
 keys, so a forged entry is ignored as a forged stream record is.
 
-How it is written: one ``set_many`` per stream message, on the results
-writer's thread once the broker confirmed the message; a cache that fails is
-logged and otherwise ignored (the stream has the record).
+How it is written: one ``set_many`` per stream message once the broker
+confirmed it, on a thread of the cache's own (:class:`CachePutter`); a cache
+that fails is logged and otherwise ignored (the stream has the record).
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +42,9 @@ logger = logging.getLogger("deferred.results")
 #: Events after which a job's result can no longer change (``failed`` can: a
 #: re-drive). Kept here, not imported from deferred.results, which imports this.
 FINAL = frozenset({"succeeded", "cancelled", "superseded", "dropped"})
+#: The most confirmed messages' entries waiting for the cache: about 10 seconds'
+#: worth for a worker writing 20 messages a second.
+MAX_BATCHES = 200
 #: Log a failing cache at most this often.
 WARN_EVERY_S = 60.0
 
@@ -78,51 +83,94 @@ def cacheable(record: dict[str, Any]) -> bool:
 
 @dataclass(eq=False)
 class _Batch:
-    """Entries to put once one stream message is confirmed."""
+    """Entries to put once one stream message is confirmed: records by job id."""
 
-    entries: dict[str, tuple[bytes, dict[str, Any]]] = field(default_factory=dict)
+    records: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
 
 
 class CachePutter:
-    """The worker's side: collects entries by the stream message their records go out
-    in, and puts each message's entries in one ``set_many`` once it is confirmed."""
+    """The worker's side: collects each finished job's records by the stream message
+    they go out in, and once that message is confirmed, puts them in the cache.
 
-    def __init__(self, settings: DeferredSettings, alias: str) -> None:
+    The puts run on a thread of their own, never a job's or the results
+    writer's: a cache that is slow or hangs (a client with no timeout) must not
+    hold up the stream's records, nor, through them, the jobs. What waits for it
+    is bounded (``MAX_BATCHES`` messages' worth); beyond that, entries are
+    dropped and counted, and their look-ups read the stream.
+    """
+
+    def __init__(
+        self,
+        settings: DeferredSettings,
+        alias: str,
+        encode: Callable[[list[dict[str, Any]]], tuple[bytes, dict[str, Any]]],
+    ) -> None:
         self.settings = settings
         self.alias = alias
+        self.encode = encode
         self.timeout = settings.result_cache_timeout_s
         self._lock = threading.Lock()
         self._batches: dict[broker.Written, _Batch] = {}
-        #: Entries put, and entries the cache refused (for tests and status).
+        self._queue: queue.Queue[_Batch | None] = queue.Queue(MAX_BATCHES)
+        self._thread: threading.Thread | None = None
+        #: Entries put; entries the cache refused, or dropped for want of room.
         self.put = 0
         self.failed = 0
 
-    def add(
-        self, written: broker.Written, job_id: str, entry: tuple[bytes, dict[str, Any]]
-    ) -> None:
-        """Put ``entry`` for ``job_id`` once ``written`` is confirmed (never if it is not)."""
+    def add(self, written: broker.Written, job_id: str, records: list[dict[str, Any]]) -> None:
+        """Put ``records`` (all of ``job_id``'s) once ``written`` is confirmed; never
+        if it is not."""
         with self._lock:
             batch = self._batches.get(written)
             first = batch is None
             if batch is None:
                 batch = self._batches[written] = _Batch()
-            batch.entries[cache_key(self.settings, job_id)] = entry
+            batch.records[job_id] = records
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="deferred-results-cache", daemon=True
+                )
+                self._thread.start()
         if first:
             # Outside the lock: a message already confirmed calls back at once, here.
-            written.add_done_callback(lambda ok: self._flush(written, ok))
+            written.add_done_callback(lambda ok: self._confirmed(written, ok))
 
-    def _flush(self, written: broker.Written, ok: bool) -> None:
+    def stop(self, timeout: float = 1.0) -> None:
+        """Put what is queued, for ``timeout`` seconds at most, then end the thread."""
+        with self._lock:
+            thread = self._thread
+        if thread is None:
+            return
+        try:
+            self._queue.put(None, timeout=timeout)
+        except queue.Full:
+            return
+        thread.join(timeout)
+
+    def _confirmed(self, written: broker.Written, ok: bool) -> None:
         with self._lock:
             batch = self._batches.pop(written, None)
         if batch is None or not ok:
             return
         try:
-            caches[self.alias].set_many(batch.entries, timeout=self.timeout)
-        except Exception as exc:  # noqa: BLE001 - the stream has the records
-            self.failed += len(batch.entries)
-            _warn("write", exc)
-        else:
-            self.put += len(batch.entries)
+            self._queue.put_nowait(batch)
+        except queue.Full:
+            self.failed += len(batch.records)
+            _warn("keep up with", RuntimeError(f"{MAX_BATCHES} messages' entries waiting"))
+
+    def _run(self) -> None:
+        while (batch := self._queue.get()) is not None:
+            try:
+                entries = {
+                    cache_key(self.settings, job_id): self.encode(records)
+                    for job_id, records in batch.records.items()
+                }
+                caches[self.alias].set_many(entries, timeout=self.timeout)
+            except Exception as exc:  # noqa: BLE001 - the stream has the records
+                self.failed += len(batch.records)
+                _warn("write", exc)
+            else:
+                self.put += len(entries)
 
 
 _last_warning = 0.0

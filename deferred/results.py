@@ -52,6 +52,11 @@ time returns what it read so far with ``Result.complete`` false, rather than
 raising, since it is no broker failure and a partial answer (a failed job,
 say, that no later run was found for) is usually right.
 
+A shared Django cache can answer first (``RESULT_CACHE``): workers put
+there the results of jobs that ended on their first attempt, once the stream
+confirmed them, and a look-up that finds one reads nothing from the stream
+(:mod:`deferred.result_cache`). The stream stays the record.
+
 Why not the alternatives: a table is what the app does not have; a cache
 alone may drop a result at any moment; a queue per job does not scale to
 millions of jobs; and the cancels' approach, every reader holding every
@@ -82,7 +87,7 @@ from typing import Any
 from deferred import broker, result_cache, signing
 from deferred.broker.results import ReadEnd
 from deferred.conf import DeferredSettings, get_settings
-from deferred.jobs import Job, due_of, utcnow
+from deferred.jobs import Job, due_ms_of, due_of, utcnow
 from deferred.topology import RESULT_ROUTING_KEY, plan_topology
 
 FORMAT_VERSION = 1
@@ -417,7 +422,7 @@ def fold(job_id: str, records: Iterable[dict[str, Any]]) -> Result:
 def _id_ms(job_id: str) -> int:
     """The due time ``job_id`` carries, in ms (0 for what is not a job id): its first
     48 bits, as :func:`deferred.jobs.new_job_id` lays them out."""
-    return 0 if due_of(job_id) is None else int(job_id[:12], 16)
+    return due_ms_of(job_id) or 0
 
 
 def _run_of(record: dict[str, Any], first_run: int) -> int:
@@ -536,6 +541,8 @@ def error_of(error: BaseException) -> dict[str, str]:
 
 def value_record(value: Any, max_bytes: int) -> dict[str, Any]:
     """``{"value": v}`` if JSON carries ``value`` in ``max_bytes``, else ``{"kept": False}``."""
+    if value is None and max_bytes >= 4:  # most tasks return nothing: "null", at no cost
+        return {"value": None}
     try:
         text = json.dumps(value, separators=(",", ":"))
     except (TypeError, ValueError):
@@ -569,7 +576,9 @@ class Recorder:
         self.cache = (
             None
             if settings.result_cache is None
-            else result_cache.CachePutter(settings, settings.result_cache)
+            else result_cache.CachePutter(
+                settings, settings.result_cache, lambda records: _signed(encode(records), keys)
+            )
         )
         #: With a cache: the "started" record of each attempt running, which the
         #: cache entry needs even once it went out on its own.
@@ -583,6 +592,8 @@ class Recorder:
 
     def stop(self) -> None:
         self.writer.stop()
+        if self.cache is not None:
+            self.cache.stop()
 
     def started(self, job: Job, at: datetime) -> None:
         """An attempt starts: its "started" record goes out ``STARTED_AFTER_S`` from now,
@@ -636,7 +647,7 @@ class Recorder:
         written = self.writer.write(_with_call(record, job))
         if self.cache is not None and result_cache.cacheable(record):
             records = [record] if started is None else [started, record]
-            self.cache.add(written, job.id, _signed(encode(records), self.settings.signing_keys))
+            self.cache.add(written, job.id, records)
         return written
 
 

@@ -446,23 +446,59 @@ def test_the_cache_putter_puts_a_message_s_entries_once_it_is_confirmed(settings
     from deferred.broker.results import Written
     from deferred.conf import get_settings
     from deferred.result_cache import CachePutter, cache_key
+    from tests.conftest import wait_for
 
     settings.CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}
     cache = caches["default"]
     cache.clear()
-    putter = CachePutter(get_settings(), "default")
+
+    def encoded(records):
+        return (json.dumps(records).encode(), {})
+
+    def entry(job_id):
+        return cache.get(cache_key(get_settings(), job_id))
+
+    putter = CachePutter(get_settings(), "default", encoded)
     confirmed, refused, early = Written(), Written(), Written()
-    putter.add(confirmed, "a", (b"1", {}))
-    putter.add(confirmed, "b", (b"2", {}))
-    putter.add(refused, "c", (b"3", {}))
-    assert cache.get(cache_key(get_settings(), "a")) is None  # not before the confirm
+    putter.add(confirmed, "a", [{"n": 1}])
+    putter.add(confirmed, "b", [{"n": 2}])
+    putter.add(refused, "c", [{"n": 3}])
+    time.sleep(0.1)
+    assert entry("a") is None  # not before the confirm
     confirmed._finish(True)
     refused._finish(False)
-    assert cache.get(cache_key(get_settings(), "a")) == (b"1", {})
-    assert cache.get(cache_key(get_settings(), "b")) == (b"2", {})
-    assert cache.get(cache_key(get_settings(), "c")) is None
+    assert wait_for(lambda: entry("b") is not None, 5)
+    assert entry("a") == (b'[{"n": 1}]', {}) and entry("b") == (b'[{"n": 2}]', {})
     # A message confirmed before its entry was added: put at once
     early._finish(True)
-    putter.add(early, "d", (b"4", {}))
-    assert cache.get(cache_key(get_settings(), "d")) == (b"4", {})
+    putter.add(early, "d", [{"n": 4}])
+    assert wait_for(lambda: entry("d") is not None, 5)
+    putter.stop()
+    assert entry("c") is None
     assert putter.put == 3 and not putter._batches
+
+
+def test_a_cache_that_hangs_holds_up_nothing_and_drops_what_has_no_room(settings, monkeypatch):
+    from django.core.cache.backends.locmem import LocMemCache
+
+    from deferred import result_cache
+    from deferred.broker.results import Written
+    from deferred.conf import get_settings
+
+    settings.CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}
+    release = threading.Event()
+    monkeypatch.setattr(result_cache, "MAX_BATCHES", 2)
+    # Every thread has its own cache object: the class is what they share.
+    monkeypatch.setattr(LocMemCache, "set_many", lambda *a, **k: release.wait(10))
+    putter = result_cache.CachePutter(get_settings(), "default", lambda r: (b"", {}))
+    started = time.monotonic()
+    for n in range(6):  # one taken by the hung thread, two waiting, the rest dropped
+        written = Written()
+        putter.add(written, f"job{n}", [{"n": n}])
+        written._finish(True)
+        time.sleep(0.05)
+    assert time.monotonic() - started < 2  # the writer's callbacks never waited
+    assert putter.failed == 3
+    release.set()
+    putter.stop()
+    assert putter.put == 3

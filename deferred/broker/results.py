@@ -28,6 +28,7 @@ from __future__ import annotations
 import atexit
 import enum
 import logging
+import math
 import queue
 import threading
 import time
@@ -169,6 +170,9 @@ class ResultWriter:
         self._next = Written()
         #: Delayed records by key: (when they go out, time.monotonic(); the record).
         self._delayed: dict[str, tuple[float, Any]] = {}
+        #: Until when the writer sleeps waiting for records (``math.inf``: until one
+        #: comes); ``None`` while it lingers or publishes, when it needs no waking.
+        self._idle_until: float | None = None
         self._stopped = False
         self._thread: threading.Thread | None = None
         #: Records the broker could not take (logged, counted for tests and status).
@@ -205,8 +209,12 @@ class ResultWriter:
         """Queue ``record`` to go out ``after_s`` from now, unless taken back."""
         with self._cond:
             if not self._stopped:
-                self._delayed[key] = (time.monotonic() + after_s, record)
-                self._cond.notify_all()
+                at = time.monotonic() + after_s
+                self._delayed[key] = (at, record)
+                # Wake the writer only if it sleeps past this record's time: a wake per
+                # job (a "started" record each) cost a busy worker a tenth of its rate.
+                if self._idle_until is not None and at < self._idle_until:
+                    self._cond.notify_all()
 
     def take(self, key: str) -> Any:
         """The delayed record ``key`` if it has not gone out yet (it no longer will)."""
@@ -251,7 +259,11 @@ class ResultWriter:
                 if self._stopped:
                     return None
                 wake = min((at for at, _r in self._delayed.values()), default=None)
-                self._cond.wait(None if wake is None else max(0.0, wake - now))
+                self._idle_until = math.inf if wake is None else wake
+                try:
+                    self._cond.wait(None if wake is None else max(0.0, wake - now))
+                finally:
+                    self._idle_until = None
             end = time.monotonic() + self.linger_s
             while not self._stopped and (left := end - time.monotonic()) > 0:
                 self._cond.wait(left)
