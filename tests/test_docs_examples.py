@@ -18,6 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 from django.core.exceptions import ImproperlyConfigured
+from django.test import override_settings
 
 from deferred import conf, tasks
 from tests.conftest import total_waiting
@@ -91,14 +92,21 @@ def test_the_names_check_above_can_fail():
     assert missing_names("from deferred.testing import eager, lazy") == ["deferred.testing.lazy"]
 
 
-def deferred_settings(block: str) -> list[ast.Dict]:
+def deferred_settings(block: str, name: str = "DEFERRED") -> list[ast.Dict]:
     return [
         node.value
         for node in ast.walk(ast.parse(block))
         if isinstance(node, ast.Assign)
-        and [getattr(t, "id", None) for t in node.targets] == ["DEFERRED"]
+        and [getattr(t, "id", None) for t in node.targets] == [name]
         and isinstance(node.value, ast.Dict)
     ]
+
+
+def example_caches(block: str) -> dict | None:
+    """The ``CACHES`` the block sets beside its ``DEFERRED`` (``RESULT_CACHE`` names one)."""
+    for literal in deferred_settings(block, "CACHES"):
+        return ast.literal_eval(literal)
+    return None
 
 
 @pytest.mark.parametrize("block", [e for e in EXAMPLES if deferred_settings(e.values[0])])
@@ -119,7 +127,9 @@ def test_an_example_of_settings_is_accepted_by_the_settings_validation(block: st
             continue
         example = dict(zip(keys, values, strict=True))
         example |= {key: str(a_file) for key in example if key.endswith("_FILE")}
-        conf._build(example)
+        caches = example_caches(block)
+        with override_settings(**({} if caches is None else {"CACHES": caches})):
+            conf._build(example)
 
 
 def test_the_settings_check_above_can_fail():
