@@ -194,8 +194,9 @@ DEFAULTS: dict[str, Any] = {
     # there once the stream has it, and result() looks there first. Never the
     # only copy; None: look-ups read the stream.
     "RESULT_CACHE": None,
-    # How long a result stays in RESULT_CACHE (timedelta or seconds, at most
-    # RESULT_TTL); after that, look-ups of it read the stream.
+    # How long a result stays in RESULT_CACHE (timedelta or seconds, 1 second
+    # or more; RESULT_TTL if that is shorter); after that, look-ups of it read
+    # the stream.
     "RESULT_CACHE_TIMEOUT": timedelta(hours=1),
 }
 
@@ -443,12 +444,13 @@ def _results(enabled: Any, ttl: Any, max_bytes: Any) -> tuple[bool, int, int]:
 def _result_cache(alias: Any, timeout: Any, result_ttl_ms: int) -> tuple[str | None, float]:
     """RESULT_CACHE (an alias of CACHES, or None) and RESULT_CACHE_TIMEOUT (seconds), checked."""
     timeout_ms = _duration_ms("RESULT_CACHE_TIMEOUT", timeout)
-    if not 1000 <= timeout_ms <= result_ttl_ms:
+    if timeout_ms < 1000:
         raise ImproperlyConfigured(
-            "DEFERRED['RESULT_CACHE_TIMEOUT'] must be from 1 second to RESULT_TTL "
-            f"({result_ttl_ms / 1000:g} s): the cache only speeds up what the stream keeps; "
-            f"got {timeout!r}."
+            f"DEFERRED['RESULT_CACHE_TIMEOUT'] must be 1 second or more, got {timeout!r}."
         )
+    # The cache only speeds up what the stream keeps: no entry outlives RESULT_TTL
+    # (a project with a RESULT_TTL under the default hour keeps working as it was).
+    timeout_ms = min(timeout_ms, result_ttl_ms)
     if alias is None:
         return None, timeout_ms / 1000
     caches = getattr(django_settings, "CACHES", {}) or {}

@@ -217,7 +217,7 @@ class Pipeline:
         value: Any = None
         self.observer.started()
         if self.results is not None and keeps_result(job):
-            self.results.started(job, started)
+            self.results.started(job, started, redelivered=delivery.redelivered)
         watch = self._watch(job, delivery, task, lateness_ms, clock)
         owned = True
         try:

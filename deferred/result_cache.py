@@ -15,7 +15,13 @@ worker wrote every record of it (its "started" one too). Not a retried job
 (other workers wrote its earlier attempts), not a ``failed`` one (the failed
 list may run it again under the same id): those read the stream. An entry is
 the stream message's own encoding of those records, signed with the jobs'
-keys, so a forged entry is ignored as a forged stream record is.
+keys: an entry whose signature does not match (another project's, another
+key's) is ignored. What it cannot guard against is whoever may write to the
+cache, since Django's shared caches unpickle what they read.
+
+Not put: a redelivered attempt. Its first delivery may have run too (a worker
+whose connection was lost runs its job to the end), and the stream keeps the
+first end of the two, which no single worker knows.
 
 How it is written: one ``set_many`` per stream message once the broker
 confirmed it, on a thread of the cache's own (:class:`CachePutter`); a cache
@@ -33,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from django.core.cache import caches
+from django.db import close_old_connections
 
 from deferred import broker
 from deferred.conf import DeferredSettings
@@ -160,6 +167,9 @@ class CachePutter:
 
     def _run(self) -> None:
         while (batch := self._queue.get()) is not None:
+            # The database cache: a connection the server dropped is replaced, as a
+            # request or a job would have it.
+            close_old_connections()
             try:
                 entries = {
                     cache_key(self.settings, job_id): self.encode(records)

@@ -555,6 +555,13 @@ def value_record(value: Any, max_bytes: int) -> dict[str, Any]:
 # ---------------------------------------------------------------------- writing
 
 
+#: The most attempts whose "started" record a worker keeps for the cache: far more
+#: than run at once; past it, the oldest (an attempt that never ended) goes.
+MAX_STARTS = 10_000
+#: :meth:`Recorder.ended`'s word for an attempt it saw no start of.
+_NOT_STARTED: dict[str, Any] = {}
+
+
 class Recorder:
     """The worker's side: turns what happens to a job into records for the writer."""
 
@@ -581,8 +588,9 @@ class Recorder:
             )
         )
         #: With a cache: the "started" record of each attempt running, which the
-        #: cache entry needs even once it went out on its own.
-        self._starts: dict[str, dict[str, Any]] = {}
+        #: cache entry needs even once it went out on its own (``None``: a
+        #: redelivered attempt, which is not cached).
+        self._starts: dict[str, dict[str, Any] | None] = {}
 
     def start(self) -> None:
         with self._lock:
@@ -595,9 +603,14 @@ class Recorder:
         if self.cache is not None:
             self.cache.stop()
 
-    def started(self, job: Job, at: datetime) -> None:
+    def started(self, job: Job, at: datetime, *, redelivered: bool = False) -> None:
         """An attempt starts: its "started" record goes out ``STARTED_AFTER_S`` from now,
-        unless the attempt ended first and :meth:`ended` folded it into its own."""
+        unless the attempt ended first and :meth:`ended` folded it into its own.
+
+        ``redelivered``: the broker delivered this message before, so another
+        worker may be running the same attempt (its connection lost): the stream
+        keeps the first end of the two, which no single worker knows, so neither
+        goes in the cache."""
         record: dict[str, Any] = {
             "id": job.id,
             "ev": "started",
@@ -609,7 +622,9 @@ class Recorder:
         _with_run(record, job)
         _with_call(record, job)
         if self.cache is not None:
-            self._starts[_attempt_key(job)] = record
+            if len(self._starts) >= MAX_STARTS:  # attempts that never ended (a lost broker)
+                self._starts.pop(next(iter(self._starts)), None)
+            self._starts[_attempt_key(job)] = None if redelivered else record
         self.writer.delay(_attempt_key(job), record, STARTED_AFTER_S)
 
     def ended(
@@ -634,10 +649,15 @@ class Recorder:
         }
         _with_run(record, job)
         start = self.writer.take(_attempt_key(job))
-        started = None if self.cache is None else self._starts.pop(_attempt_key(job), None)
+        # The attempt's own "started" record; None: a redelivery, not for the cache;
+        # absent: the job never started (dropped as cancelled or superseded).
+        started = (
+            _NOT_STARTED
+            if self.cache is None
+            else self._starts.pop(_attempt_key(job), _NOT_STARTED)
+        )
         if start is not None:  # ended before its "started" record went out: one record
             record.update(st=start["at"], w=start["w"])
-            started = None
         if event == "succeeded":
             record.update(value_record(value, self.settings.result_max_bytes))
         if error is not None:
@@ -645,8 +665,10 @@ class Recorder:
         if reason is not None:
             record["reason"] = reason
         written = self.writer.write(_with_call(record, job))
-        if self.cache is not None and result_cache.cacheable(record):
-            records = [record] if started is None else [started, record]
+        if self.cache is not None and started is not None and result_cache.cacheable(record):
+            records = (
+                [record] if start is not None or started is _NOT_STARTED else [started, record]
+            )
             self.cache.add(written, job.id, records)
         return written
 

@@ -502,3 +502,61 @@ def test_a_cache_that_hangs_holds_up_nothing_and_drops_what_has_no_room(settings
     release.set()
     putter.stop()
     assert putter.put == 3
+
+
+def test_a_redelivered_attempt_is_not_cached_and_a_fresh_one_is(settings):
+    from deferred.jobs import utcnow
+    from deferred.results import Recorder
+
+    settings.CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}
+    settings.DEFERRED = {**settings.DEFERRED, "RESULT_CACHE": "default"}
+    recorder = Recorder(get_settings(), "host:1")  # its writer not started: nothing sent
+    assert recorder.cache is not None
+
+    def ran(redelivered: bool) -> Job:
+        job = Job(id=new_job_id(), task="tests.add", args=(), kwargs={}, due=utcnow(), queue="q")
+        recorder.started(job, utcnow(), redelivered=redelivered)
+        recorder.ended(job, "succeeded", utcnow(), value=1)
+        return job
+
+    fresh, again = ran(False), ran(True)
+    dropped = Job(id=new_job_id(), task="tests.add", args=(), kwargs={}, due=utcnow(), queue="q")
+    recorder.ended(dropped, "cancelled", utcnow())  # never started: cached all the same
+    (batch,) = recorder.cache._batches.values()
+    assert set(batch.records) == {fresh.id, dropped.id} and again.id not in batch.records
+    assert not recorder._starts
+
+
+def test_the_writer_wakes_for_a_delayed_record_due_before_it_would_wake():
+    from deferred.broker.results import ResultWriter
+
+    writer = ResultWriter(
+        "amqp://guest:guest@127.0.0.1:1/%2F",
+        "x",
+        "result",
+        lambda r: (b"", {}),
+        timeout=1,
+        linger_s=0,
+    )
+    sent: list[tuple[float, list]] = []
+    writer._publish = lambda written: sent.append((time.monotonic(), list(written.records)))
+    writer.start()
+    try:
+        start = time.monotonic()
+        writer.delay("late", "late", 5.0)  # the writer now sleeps until this one's time
+        time.sleep(0.1)
+        writer.delay("soon", "soon", 0.2)  # due before that: it must wake for it
+        deadline = time.monotonic() + 3
+        while not sent and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sent, "the record due sooner never went out"
+        at, records = sent[0]
+        assert records == ["soon"]
+        assert 0.25 <= at - start < 1.5  # not early, and not at the later record's time
+        writer.write("now")  # a plain record wakes it too
+        deadline = time.monotonic() + 2
+        while len(sent) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(sent) == 2 and sent[1][1] == ["now"]
+    finally:
+        writer.stop(timeout=2)

@@ -438,6 +438,8 @@ class ResultReader:
         return progress.end
 
 
+#: The most look-up connections waiting for :func:`_closer`.
+MAX_CLOSING = 8
 #: Look-up connections waiting to be closed by :func:`_closer`.
 _to_close: queue.SimpleQueue[pika.BlockingConnection] = queue.SimpleQueue()
 _closer_lock = threading.Lock()
@@ -447,8 +449,14 @@ _closer_thread: threading.Thread | None = None
 def _close_later(connection: pika.BlockingConnection) -> None:
     """Close a look-up's connection on a thread of its own: the answer is known by
     then, and a close waits for the broker to tear the stream consumer down (about
-    3 ms of a 10 ms look-up, measured on one machine), which the caller need not."""
+    3 ms of a 10 ms look-up, measured on one machine), which the caller need not.
+    With ``MAX_CLOSING`` already waiting (a broker slow to close), the caller
+    closes it itself, as before: look-ups never run ahead of their closes."""
     global _closer_thread
+    if _to_close.qsize() >= MAX_CLOSING:
+        with _stream_close_quiet():
+            close_quietly(connection)
+        return
     with _closer_lock:
         if _closer_thread is None or not _closer_thread.is_alive():
             _closer_thread = threading.Thread(
