@@ -453,7 +453,7 @@ def _result_cache(alias: Any, timeout: Any, result_ttl_ms: int) -> tuple[str | N
     timeout_ms = min(timeout_ms, result_ttl_ms)
     if alias is None:
         return None, timeout_ms / 1000
-    caches = getattr(django_settings, "CACHES", {}) or {}
+    caches = django_settings.CACHES
     if not isinstance(alias, str) or alias not in caches:
         raise ImproperlyConfigured(
             f"DEFERRED['RESULT_CACHE'] must be None or an alias of CACHES "

@@ -46,9 +46,6 @@ from deferred.conf import DeferredSettings
 
 logger = logging.getLogger("deferred.results")
 
-#: Events after which a job's result can no longer change (``failed`` can: a
-#: re-drive). Kept here, not imported from deferred.results, which imports this.
-FINAL = frozenset({"succeeded", "cancelled", "superseded", "dropped"})
 #: The most confirmed messages' entries waiting for the cache: about 10 seconds'
 #: worth for a worker writing 20 messages a second.
 MAX_BATCHES = 200
@@ -79,13 +76,6 @@ def get(settings: DeferredSettings, job_id: str) -> tuple[bytes, dict[str, Any]]
     ):
         return entry
     return None
-
-
-def cacheable(record: dict[str, Any]) -> bool:
-    """Whether ``record`` (a final record) ends a job whose worker wrote every record
-    of it: the first attempt of the first run, ended with an event no later record
-    changes."""
-    return record.get("ev") in FINAL and record.get("a") in (1, None) and "run" not in record
 
 
 @dataclass(eq=False)

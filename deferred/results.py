@@ -558,8 +558,6 @@ def value_record(value: Any, max_bytes: int) -> dict[str, Any]:
 #: The most attempts whose "started" record a worker keeps for the cache: far more
 #: than run at once; past it, the oldest (an attempt that never ended) goes.
 MAX_STARTS = 10_000
-#: :meth:`Recorder.ended`'s word for an attempt it saw no start of.
-_NOT_STARTED: dict[str, Any] = {}
 
 
 class Recorder:
@@ -649,13 +647,6 @@ class Recorder:
         }
         _with_run(record, job)
         start = self.writer.take(_attempt_key(job))
-        # The attempt's own "started" record; None: a redelivery, not for the cache;
-        # absent: the job never started (dropped as cancelled or superseded).
-        started = (
-            _NOT_STARTED
-            if self.cache is None
-            else self._starts.pop(_attempt_key(job), _NOT_STARTED)
-        )
         if start is not None:  # ended before its "started" record went out: one record
             record.update(st=start["at"], w=start["w"])
         if event == "succeeded":
@@ -665,12 +656,31 @@ class Recorder:
         if reason is not None:
             record["reason"] = reason
         written = self.writer.write(_with_call(record, job))
-        if self.cache is not None and started is not None and result_cache.cacheable(record):
-            records = (
-                [record] if start is not None or started is _NOT_STARTED else [started, record]
-            )
-            self.cache.add(written, job.id, records)
+        if self.cache is not None:
+            self._to_cache(self.cache, written, job, record, folded=start is not None)
         return written
+
+    def _to_cache(
+        self,
+        cache: result_cache.CachePutter,
+        written: broker.Written,
+        job: Job,
+        record: dict[str, Any],
+        *,
+        folded: bool,
+    ) -> None:
+        """Hand the cache the records of an attempt that just ended, if it may hold them
+        (``folded``: its start went out in ``record``, not in a record of its own)."""
+        key = _attempt_key(job)
+        started = None
+        if key in self._starts:
+            started = self._starts.pop(key)
+            if started is None:  # a redelivery (see started())
+                return
+        # else it never started: dropped as cancelled or superseded
+        if not cacheable(record):
+            return
+        cache.add(written, job.id, [record] if folded or started is None else [started, record])
 
 
 def record_redrive(settings: DeferredSettings, job: Job) -> None:
@@ -694,6 +704,13 @@ def record_redrive(settings: DeferredSettings, job: Job) -> None:
     broker.publisher(settings.broker_urls, settings.publish_timeout_s).publish(
         plan.ingest_exchange, RESULT_ROUTING_KEY, body, message_id=uuid.uuid4().hex, headers=headers
     )
+
+
+def cacheable(record: dict[str, Any]) -> bool:
+    """Whether ``record`` (a final record) ends a job whose worker wrote every record
+    of it, for ``RESULT_CACHE``: the first attempt of the first run, ended with an
+    event no later record changes (:data:`LAST_EVENTS`)."""
+    return record.get("ev") in LAST_EVENTS and record.get("a") in (1, None) and "run" not in record
 
 
 def keeps_result(job: Job) -> bool:

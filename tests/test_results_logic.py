@@ -429,7 +429,7 @@ def test_a_writer_behind_the_jobs_makes_them_wait_for_room_then_gives_their_reco
 
 
 def test_only_a_first_attempts_lasting_end_is_cacheable():
-    from deferred.result_cache import cacheable
+    from deferred.results import cacheable
 
     assert cacheable({"ev": "succeeded", "a": 1})
     assert cacheable({"ev": "cancelled"})  # dropped before it started
