@@ -117,6 +117,13 @@ DEFAULTS: dict[str, Any] = {
     # Set it above your longest job. Classic queues follow the broker-wide
     # consumer_timeout in rabbitmq.conf (on 4.3 they have none).
     "CONSUMER_TIMEOUT": None,
+    # The worker connection's heartbeat (timedelta or seconds, 1 s to 10
+    # minutes). RabbitMQ closes the connection of a worker it has not heard
+    # from for about three of them (a paused process, a lost host), and hands
+    # the jobs it held to the other workers: the lower, the sooner, at the
+    # price of a frame every half heartbeat. A task holding the GIL longer
+    # than that (C code) costs its worker the connection.
+    "WORKER_HEARTBEAT": timedelta(seconds=5),
     # False: never declare anything; the broker's exchanges and queues are
     # created by infrastructure code (definitions, Terraform), and the app
     # only checks that they exist.
@@ -277,6 +284,8 @@ class DeferredSettings:
     max_message_bytes: int = 256 * 1024
     #: The quorum ready queues' ``x-consumer-timeout`` (None: the broker's).
     consumer_timeout_ms: int | None = None
+    #: The worker connection's heartbeat, in whole seconds (``WORKER_HEARTBEAT``).
+    worker_heartbeat_s: int = 5
     #: TLS options for amqps:// URLs (None: pika's and the system's defaults).
     tls: TLSOptions | None = None
     #: The bearer token the metrics URL asks for (None: no token). Never shown.
@@ -460,6 +469,21 @@ def _result_cache(alias: Any, timeout: Any, result_ttl_ms: int) -> tuple[str | N
             f"({', '.join(map(repr, caches)) or 'none configured'}), got {alias!r}."
         )
     return alias, timeout_ms / 1000
+
+
+#: The longest worker heartbeat: past it, a paused worker keeps its jobs for half an hour.
+MAX_WORKER_HEARTBEAT_S = 600
+
+
+def _worker_heartbeat_s(value: Any) -> int:
+    """``WORKER_HEARTBEAT`` in whole seconds (AMQP counts heartbeats in seconds), checked."""
+    seconds = _duration_ms("WORKER_HEARTBEAT", value) / 1000
+    if not 1 <= seconds <= MAX_WORKER_HEARTBEAT_S or seconds != int(seconds):
+        raise ImproperlyConfigured(
+            "DEFERRED['WORKER_HEARTBEAT'] must be a whole number of seconds from 1 to "
+            f"{MAX_WORKER_HEARTBEAT_S}, got {value!r}."
+        )
+    return int(seconds)
 
 
 def _duration_ms(name: str, value: Any) -> float:
@@ -661,6 +685,7 @@ def _build(raw: Any) -> DeferredSettings:
         raise ImproperlyConfigured(
             f"DEFERRED['QUORUM_GROUP_SIZE'] must be a positive integer, got {group_size!r}."
         )
+    worker_heartbeat_s = _worker_heartbeat_s(values["WORKER_HEARTBEAT"])
     stuck_after_s = _duration_ms("STUCK_AFTER", values["STUCK_AFTER"]) / 1000
     if stuck_after_s < 1:
         raise ImproperlyConfigured(
@@ -741,6 +766,7 @@ def _build(raw: Any) -> DeferredSettings:
         signing_keys=signing_keys,
         max_message_bytes=max_message_bytes,
         consumer_timeout_ms=consumer_timeout_ms,
+        worker_heartbeat_s=worker_heartbeat_s,
         tls=tls,
         metrics_token=metrics_token,
         metrics_allow=metrics_allow,

@@ -39,6 +39,9 @@ class Outcome(StrEnum):
     #: An occurrence of a recurring job whose task left the code: dropped, as its
     #: schedule was.
     DROPPED = "dropped"
+    #: A copy of an attempt that ran already (redelivered after a lost connection,
+    #: or published twice): acked without running (``deferred.runs``).
+    DUPLICATE = "duplicate"
 
     @property
     def level(self) -> int:
@@ -56,13 +59,14 @@ _LEVELS = {
     Outcome.RESCHEDULED: logging.INFO,
     Outcome.REQUEUED: logging.WARNING,
     Outcome.DROPPED: logging.WARNING,
+    Outcome.DUPLICATE: logging.INFO,
 }
 
 #: The worker's line per job (logger ``deferred.worker``), then ``key=value`` extras:
 #: ``reason=`` and ``error=`` for a failure, ``retry_in_ms=`` for a retry, ``key=``
 #: for a superseded job,
 #: ``early_by_ms=`` or ``wait_for_cancels_ms=`` for a reschedule, ``deliveries=``
-#: for a requeue.
+#: for a requeue, ``ran=here`` or ``ran=elsewhere`` for a duplicate.
 JOB_LINE = "job=%s task=%s attempt=%d lateness_ms=%.1f outcome=%s duration_ms=%.1f%s"
 
 

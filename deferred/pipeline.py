@@ -28,12 +28,22 @@ went while the job waited, so RabbitMQ already gave the message to another
 worker), :class:`Abandoned` (the attempt ran past its hard time limit, and the
 worker settled it meanwhile: :meth:`Pipeline.timed_out`) and ``BrokerError``
 (an outcome could not be made durable, so the message must go back). A
-fourth, :class:`Hold`, tells it to wait.
+fourth, :class:`Hold`, tells it to wait, and a fifth, :class:`Joined`, that the
+delivery is a copy of an attempt this worker is running: it is settled when
+that run ends.
+
+**Copies** (:mod:`deferred.runs`): before any of the steps above, a delivery
+of an attempt this worker ran lately is acked without running
+(``outcome=duplicate``), and one of an attempt it is running joins that run.
+A delivery that may have run elsewhere (redelivered, or a copy carrying a
+delivery count) is looked up in the results stream first, when the job keeps
+results: if its attempt ended there, it is acked without running too.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -44,6 +54,7 @@ from django.db import close_old_connections
 
 from deferred import failures, intake, signing, tracing
 from deferred.broker import (
+    COPY_HEADER,
     BrokerError,
     BrokerUnavailable,
     Delivery,
@@ -53,14 +64,17 @@ from deferred.broker import (
 from deferred.cancels import CancelWatch
 from deferred.conf import DeferredSettings
 from deferred.delays import capped_delay_ms
-from deferred.jobs import Job, body_level, utcnow
+from deferred.jobs import Job, body_level, due_ms_of, utcnow
 from deferred.limits import TimeLimitExceeded, Watch, Watchdog
 from deferred.metrics import UNKNOWN as UNKNOWN_TASK_LABEL
 from deferred.outcomes import JOB_LINE, Observer, Outcome
 from deferred.publishing import publish
-from deferred.results import Recorder, keeps_result
+from deferred.results import CANCELLED as CANCELLED_STATE
+from deferred.results import FAILED, SUCCEEDED, Recorder, keeps_result
+from deferred.results import lookup as read_result
 from deferred.retries import Decision
 from deferred.runnable import Runnable, resolve
+from deferred.runs import Claim, End, RecentRuns
 from deferred.tasks import UnknownTask, get_task
 from deferred.topology import Plan
 
@@ -85,6 +99,10 @@ class Released(Exception):
 
 class Abandoned(Exception):
     """The attempt ended after its hard time limit: the worker settled the job already."""
+
+
+class Joined(Exception):
+    """A copy of an attempt this worker is running: settled when that run ends."""
 
 
 @dataclass(frozen=True)
@@ -122,6 +140,8 @@ class Pipeline:
         worker_id: str,
         watchdog: Watchdog | None = None,
         results: Recorder | None = None,
+        runs: RecentRuns[Delivery] | None = None,
+        settle: Callable[[Delivery, bool], None] | None = None,
     ) -> None:
         self.settings = settings
         self.plan = plan
@@ -134,6 +154,10 @@ class Pipeline:
         self.watchdog = watchdog
         #: Writes each job's start and outcome to the results stream; ``None``: off.
         self.results = results
+        #: The attempts this worker runs or ran lately; ``None``: copies are not looked for.
+        self.runs = runs
+        #: Acks (``True``) or hands back a delivery that joined a run, as the run ends.
+        self.settle = settle
         #: Quorum queues count deliveries themselves (x-delivery-limit).
         self.count_redeliveries = settings.queue_type == "classic"
         #: Task names resolved here: the only task labels the metrics use.
@@ -155,10 +179,38 @@ class Pipeline:
             if isinstance(read, intake.Refused):
                 return self._refuse(delivery, read)
             job = read
-        seconds = self.hold_seconds(job)
+        seconds = self.hold_seconds(job) or self._copy_wait(delivery, job)
         if seconds:
             raise Hold(job, seconds)
+        if self.runs is None:
+            return self._process(delivery, job)
+        key = run_key(job)
+        count = self._count_of(delivery)
+        claim = self.runs.claim(key, delivery, count)
+        if claim is Claim.JOINED:
+            raise Joined(job.id)
+        if claim is Claim.DONE:
+            return self._duplicate(job, "here")
+        outcome: Outcome | None = None
+        how = End.FORGOTTEN
+        try:
+            if self._ended_elsewhere(delivery, job):
+                outcome = self._duplicate(job, "elsewhere")
+            else:
+                outcome = self._process(delivery, job)
+            how = _END_OF.get(outcome, End.SETTLED)
+            return outcome
+        except Abandoned:
+            how = End.SETTLED  # settled by timed_out() already: its copies are duplicates
+            raise
+        finally:
+            joined = self.runs.end(key, how, count + 1)
+            if joined and self.settle is not None:
+                for copy in joined:
+                    self.settle(copy, how is not End.FORGOTTEN)
 
+    def _process(self, delivery: Delivery, job: Job) -> Outcome:
+        """:meth:`process` from the cancels on, for a job that is due and no copy."""
         # Read every cancel confirmed before the job came due first: a cancel
         # issued a moment before must win (clocks agreeing, as for "never early").
         try:
@@ -351,6 +403,49 @@ class Pipeline:
 
     # ------------------------------------------------------------------ the steps
 
+    def _count_of(self, delivery: Delivery) -> int:
+        """On classic queues, how many deliveries of this attempt ended without an ack
+        so far, as its copy carries it (0 on quorum queues, which count themselves)."""
+        if not self.count_redeliveries:
+            return 0
+        seen = delivery.headers.get(DELIVERIES_HEADER, 0)
+        # Anyone may set a header: a value that is not a count counts as none.
+        return seen if type(seen) is int and seen >= 0 else 0
+
+    def _ended_elsewhere(self, delivery: Delivery, job: Job) -> bool:
+        """Whether another worker ended this attempt already, as the results stream says.
+
+        Asked only of a delivery that may have run before (redelivered, or a
+        copy carrying a delivery count) and of a job that keeps results: a
+        read costs a few milliseconds, and a first delivery has run nowhere.
+        A re-driven run is not looked up (its records share the id with the
+        run before it). When the stream cannot say, the job runs: at least once.
+        """
+        if self.results is None or not _maybe_ran(delivery):
+            return False
+        if run_key(job) != first_run_key(job) or not keeps_result(job):
+            return False
+        try:
+            found = read_result(self.settings, job.id, timeout=ELSEWHERE_TIMEOUT_S)
+        except (BrokerError, ValueError) as exc:
+            logger.info(
+                "job=%s could not be looked up in the results (%s); running it.", job.id, exc
+            )
+            return False
+        return attempt_ended(found.state, found.outcome, found.attempts, job.attempt)
+
+    def _copy_wait(self, delivery: Delivery, job: Job) -> float:
+        """How much longer to hold a second copy of a publish (:data:`COPY_HEADER`) before
+        it is looked up: long enough for a run of the first copy, which arrives with
+        it, to be recorded. 0 for any other delivery, or once the wait is over."""
+        if COPY_HEADER not in delivery.headers or self.results is None or not keeps_result(job):
+            return 0.0
+        return max(0.0, COPY_WAIT_S - (time.monotonic() - delivery.received))
+
+    def _duplicate(self, job: Job, where: str) -> Outcome:
+        """A copy of an attempt that ran: acked without running."""
+        return self._log(job, _lateness_ms(job), Outcome.DUPLICATE, 0.0, f"ran={where}")
+
     def _refuse(self, delivery: Delivery, refused: intake.Refused) -> Outcome:
         """Send a message that is not a job to run to the failed queue, as it came.
 
@@ -521,9 +616,7 @@ class Pipeline:
         ack this one; past DELIVERY_LIMIT the job goes to the failed queue, so
         a job that kills every worker cannot loop forever.
         """
-        seen = delivery.headers.get(DELIVERIES_HEADER, 0)
-        # Anyone may set a header: a value that is not a count counts as none.
-        count = (seen if type(seen) is int and seen >= 0 else 0) + 1
+        count = self._count_of(delivery) + 1
         if count > self.settings.delivery_limit:
             error = RuntimeError(
                 f"delivered {count} times without an ack: it may crash the worker "
@@ -651,3 +744,46 @@ _RESULT_EVENTS = {
 
 def _lateness_ms(job: Job) -> float:
     return (utcnow() - job.due).total_seconds() * 1000
+
+
+#: How long a possible copy's look-up in the results may take before the job runs anyway.
+ELSEWHERE_TIMEOUT_S = 2.0
+#: How long a second copy of a publish waits before its look-up: the first copy's
+#: run, if it was taken, is recorded within the results writer's linger by then.
+COPY_WAIT_S = 2.0
+
+
+def _maybe_ran(delivery: Delivery) -> bool:
+    """Whether a delivery may be of an attempt that ran already: redelivered, a copy
+    carrying a delivery count, or a second copy of a publish."""
+    headers = delivery.headers
+    return delivery.redelivered or DELIVERIES_HEADER in headers or COPY_HEADER in headers
+
+
+#: What an outcome means for later copies of its attempt (the rest: settled).
+_END_OF = {
+    # Sent back to wait: the copy it published must run.
+    Outcome.RESCHEDULED: End.FORGOTTEN,
+    # Sent on carrying its delivery count: copies with a lower count are stale.
+    Outcome.REQUEUED: End.REQUEUED,
+}
+
+
+def run_key(job: Job) -> str:
+    """The attempt a delivery is of: the job id, its run (its first due time, which a
+    re-drive from the failed list sets anew) and the attempt number."""
+    return f"{job.id}/{math.floor(job.first_due.timestamp() * 1000)}/{job.attempt}"
+
+
+def first_run_key(job: Job) -> str:
+    """:func:`run_key` of the job's first run (its id carries that run's due time)."""
+    return f"{job.id}/{due_ms_of(job.id)}/{job.attempt}"
+
+
+def attempt_ended(state: str, outcome: str | None, attempts: int, attempt: int) -> bool:
+    """Whether a job's result says that its attempt number ``attempt`` ended: the job
+    ended (succeeded, failed, cancelled, dropped), or attempts up to this one started
+    and the last ended in a retry. A job read as running or pending has not. Pure."""
+    if state in (SUCCEEDED, FAILED, CANCELLED_STATE) or outcome == "dropped":
+        return True
+    return outcome == "retrying" and attempts >= attempt

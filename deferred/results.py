@@ -238,7 +238,11 @@ def result(job_id: str, *, timeout: float | None = None) -> Result:
     ``deferred.BrokerUnavailable`` if no broker node answers or the
     connection is lost.
     """
-    settings = get_settings()
+    return lookup(get_settings(), job_id, timeout=timeout)
+
+
+def lookup(settings: DeferredSettings, job_id: str, *, timeout: float | None = None) -> Result:
+    """:func:`result` under ``settings`` (the worker's, which may not be the project's)."""
     since = _since(job_id)
     if _beyond_retention(job_id, settings):
         return Result(id=job_id)

@@ -51,6 +51,7 @@ from typing import Any
 from django.template.defaultfilters import pluralize
 
 from deferred.broker import (
+    LOST_CONSUMER_TIMEOUT,
     BrokerError,
     BrokerUnavailable,
     Consumer,
@@ -68,12 +69,13 @@ from deferred.jobs import Job
 from deferred.limits import Watch, Watchdog
 from deferred.metrics import WorkerMetrics
 from deferred.outcomes import Observers, Outcome
-from deferred.pipeline import Abandoned, Hold, Pipeline, Released, Running
+from deferred.pipeline import Abandoned, Hold, Joined, Pipeline, Released, Running
 from deferred.pool import Pool
 from deferred.priorities import DEFAULT_LEVEL
 from deferred.publishing import note_verified
 from deferred.recycling import Recycling
 from deferred.results import Recorder
+from deferred.runs import RecentRuns
 from deferred.scheduler import Scheduler, scheduled_tasks
 from deferred.topology import Plan, plan_topology
 from deferred.watch import StuckWatch
@@ -129,6 +131,7 @@ class Worker:
             hold_prefetch=self.settings.hold_prefetch,
             legacy_queues=_legacy(plan, names),
             forward=self._forward,
+            heartbeat=self.settings.worker_heartbeat_s,
         )
         #: Set while the worker is consuming (tests and health checks wait on it).
         self.consuming = threading.Event()
@@ -166,6 +169,8 @@ class Worker:
             worker_id=self.worker_id,
             watchdog=self.watchdog,
             results=self.results,
+            runs=RecentRuns(),
+            settle=self._settle_copy,
         )
         #: Keeps the jobs due within the hold window until their time.
         self.holder = Holder(self._release, self._hand_back_late, stalled=self._stalled)
@@ -542,6 +547,9 @@ class Worker:
             # Past its hard time limit: settled and counted by _on_hard_limit already.
             logger.warning("Job %s ended after the worker gave up on it; ignored.", gone)
             released = abandoned = True
+        except Joined:
+            # A copy of a job running in another thread: settled when that run ends.
+            released = True
         except Released:
             # Its connection is gone, so RabbitMQ has already redelivered it:
             # running it here too would only make a duplicate.
@@ -572,19 +580,36 @@ class Worker:
     ) -> None:
         """Ack (or hand back) a message its pool thread is done with, and count it out."""
         if not released and not self.consumer.settle_threadsafe(delivery, ack=ack, requeue=True):
-            # A connection lost, or the broker's consumer timeout: a job
-            # held longer than it is taken back and run by another worker.
-            logger.warning(
-                "The delivery of this job from %s was taken back while it ran (a lost "
-                "connection, or the broker's consumer timeout); RabbitMQ will redeliver "
-                "it, so it may run again. Jobs that run this long need a longer timeout: "
-                "DEFERRED['CONSUMER_TIMEOUT'] for quorum queues, consumer_timeout in "
-                "rabbitmq.conf for classic ones.",
-                delivery.queue,
-            )
+            self._taken_back(delivery)
         if not abandoned:
             with self._lock:
                 self._inflight -= 1
+
+    def _taken_back(self, delivery: Delivery) -> None:
+        """Say why a job that ran was not acked: RabbitMQ took its delivery back."""
+        if self.consumer.lost == LOST_CONSUMER_TIMEOUT:
+            # Only a job held longer than the broker's consumer timeout gets here.
+            logger.warning(
+                "job=%s from %s ran past RabbitMQ's consumer timeout, which took its delivery "
+                "back: RabbitMQ delivers it again, and it runs again elsewhere. Jobs that run "
+                "this long need a longer timeout: DEFERRED['CONSUMER_TIMEOUT'] for quorum "
+                "queues, consumer_timeout in rabbitmq.conf for classic ones.",
+                delivery.message_id,
+                delivery.queue,
+            )
+        else:
+            logger.info(
+                "job=%s from %s ended after the connection that delivered it was lost, so "
+                "its ack was too: RabbitMQ delivers it again; this worker acks that copy "
+                "without running it (another worker does if the job's results say it ran).",
+                delivery.message_id,
+                delivery.queue,
+            )
+
+    def _settle_copy(self, delivery: Delivery, ack: bool) -> None:
+        """A delivery that joined a run of its job is settled as that run ends: acked
+        with it, or handed back with it."""
+        self.consumer.settle_threadsafe(delivery, ack=ack, requeue=True)
 
     def process(self, delivery: Delivery, job: Job | None = None) -> Outcome:
         """Run or dispose of one message; return its outcome (:mod:`deferred.pipeline`).

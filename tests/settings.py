@@ -99,6 +99,9 @@ if os.environ.get("DEFERRED_TEST_HOLD_WINDOW"):
     DEFERRED["HOLD_WINDOW"] = float(os.environ["DEFERRED_TEST_HOLD_WINDOW"])
 if os.environ.get("DEFERRED_TEST_HOLD_PREFETCH"):
     DEFERRED["HOLD_PREFETCH"] = int(os.environ["DEFERRED_TEST_HOLD_PREFETCH"])
+# Worker subprocesses of the paused-worker test lose their connection sooner.
+if os.environ.get("DEFERRED_TEST_WORKER_HEARTBEAT"):
+    DEFERRED["WORKER_HEARTBEAT"] = int(os.environ["DEFERRED_TEST_WORKER_HEARTBEAT"])
 # Worker subprocesses of the time-limit tests give up on a job sooner.
 if os.environ.get("DEFERRED_TEST_TIME_LIMIT_GRACE"):
     DEFERRED["TIME_LIMIT_GRACE"] = float(os.environ["DEFERRED_TEST_TIME_LIMIT_GRACE"])

@@ -43,7 +43,7 @@ from deferred.broker.connection import (
     tls_context,
     vhost_of,
 )
-from deferred.broker.consumer import Consumer, Delivery, peek
+from deferred.broker.consumer import LOST_CONSUMER_TIMEOUT, Consumer, Delivery, peek
 from deferred.broker.errors import (
     BrokerError,
     BrokerUnavailable,
@@ -54,12 +54,21 @@ from deferred.broker.errors import (
     TopologyNotDeclared,
 )
 from deferred.broker.lease import Lease
-from deferred.broker.publisher import Outgoing, Publisher, _publisher, publisher, send_record
+from deferred.broker.publisher import (
+    COPY_HEADER,
+    Outgoing,
+    Publisher,
+    _publisher,
+    publisher,
+    send_record,
+)
 from deferred.broker.results import ResultReader, ResultWriter, Written
 from deferred.broker.streams import StreamFollower
 
 __all__ = [
     "BLOCKED_TIMEOUT_S",
+    "COPY_HEADER",
+    "LOST_CONSUMER_TIMEOUT",
     "PUBLISH_TIMEOUT_S",
     "Admin",
     "BrokerError",

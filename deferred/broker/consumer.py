@@ -65,6 +65,14 @@ PROBE_FIRST_S = 0.002
 PROBE_CAP_S = 0.05
 #: Messages of the legacy queues in flight to the forwarder at once.
 FORWARD_PREFETCH = 50
+#: A job's thread that finds the I/O thread silent for this long (the process was
+#: paused, say) waits for its next turn before it takes a delivery as still ours,
+#: for up to STALE_WAIT_S: the connection may have died meanwhile, unnoticed.
+STALE_AFTER_S = 1.0
+STALE_WAIT_S = 5.0
+#: Why the consuming connection went, as :attr:`Consumer.lost` says it.
+LOST_CONNECTION = "connection"
+LOST_CONSUMER_TIMEOUT = "consumer_timeout"
 
 
 @dataclass(frozen=True)
@@ -84,6 +92,8 @@ class Delivery:
     hold: bool = False
     #: Its AMQP priority (0-9), as published; ``None`` if it had none.
     priority: int | None = None
+    #: When it arrived (time.monotonic()).
+    received: float = 0.0
 
 
 def pinned_prefetch(limit: int, queues: Sequence[str]) -> dict[str, int]:
@@ -205,8 +215,20 @@ class Consumer:
         hold_prefetch: int = 0,
         legacy_queues: Mapping[str, str] | None = None,
         forward: Callable[[str, bytes, str | None, dict[str, Any]], None] | None = None,
+        heartbeat: int | None = None,
     ) -> None:
         self.urls = as_urls(urls)
+        #: The connection's heartbeat in seconds (``None``: the broker's, 60 s by default).
+        self.heartbeat = heartbeat
+        #: Why the last connection went: :data:`LOST_CONNECTION`,
+        #: :data:`LOST_CONSUMER_TIMEOUT`, or ``None`` while it is up (or was closed by us).
+        self.lost: str | None = None
+        #: How many times the I/O thread came back from the broker, and when it last did:
+        #: a job's thread checks them before it trusts the connection (see holds()).
+        self._turns = 0
+        self._turned_at = time.monotonic()
+        self._turned = threading.Condition()
+        self._io_thread: int | None = None
         self.queues = queues
         #: Legacy queue -> the queue its messages are forwarded to (see above).
         self.legacy_queues = dict(legacy_queues or {})
@@ -240,9 +262,11 @@ class Consumer:
     def start(self, on_delivery: Callable[[Delivery], None]) -> None:
         """Connect and start consuming; ``BrokerUnavailable`` or ``TopologyNotDeclared``."""
         self.close()
-        connection, node = open_connection(self.urls)
+        connection, node = open_connection(self.urls, heartbeat=self.heartbeat)
         with setting_up(connection, node, "start consuming"):
             channel = connection.channel()
+            # Why the broker closed it, should it: its consumer timeout says so.
+            channel._impl.add_on_close_callback(self._on_channel_closed)
             for queue in (*self.queues, *self.hold_queues):
                 declared_queue(channel, queue, node)
             self.generation += 1
@@ -264,6 +288,20 @@ class Consumer:
             self._start_forwarding(connection)
         self._connection, self._channel, self.node = connection, channel, node
         self._slots, self._taking = slots, True
+        self.lost = None
+        self._turn()
+
+    def _on_channel_closed(self, _channel: Any, reason: Exception) -> None:
+        if isinstance(reason, px.ChannelClosedByBroker) and "timeout" in str(reason.reply_text):
+            self.lost = LOST_CONSUMER_TIMEOUT
+
+    def _turn(self) -> None:
+        """The I/O thread is back from the broker: threads waiting in holds() look again."""
+        with self._turned:
+            self._io_thread = threading.get_ident()
+            self._turns += 1
+            self._turned_at = time.monotonic()
+            self._turned.notify_all()
 
     def _start_forwarding(self, connection: pika.BlockingConnection) -> None:
         """Consume the legacy queues that exist, on a channel of their own."""
@@ -337,6 +375,7 @@ class Consumer:
             message_id=props.message_id,
             hold=hold,
             priority=props.priority,
+            received=time.monotonic(),
         )
 
     def _roam(self) -> None:
@@ -374,15 +413,20 @@ class Consumer:
             wait = slots.wait(seconds, time.monotonic()) if self._taking else seconds
             connection.process_data_events(time_limit=wait)
         except (*CONNECTION_ERRORS, px.AMQPChannelError) as exc:
+            self.lost = self.lost or LOST_CONNECTION
             where = self._drop(lost=True)
             raise BrokerUnavailable(f"Lost the connection to RabbitMQ{where}: {exc!r}") from exc
+        finally:
+            self._turn()
         if self._channel is None or self._channel.is_closed:
+            self.lost = self.lost or LOST_CONNECTION
             # e.g. RabbitMQ's consumer_timeout closes the channel, not the connection.
             self._drop(lost=False)
             raise BrokerUnavailable("RabbitMQ closed the consuming channel.")
         if self._cancelled_by_broker:
             # A quorum queue's leader moving away cancels consumers too: try
             # another node first.
+            self.lost = LOST_CONNECTION
             self._drop(lost=True)
             raise BrokerUnavailable(
                 f"RabbitMQ cancelled consumer {self._cancelled_by_broker} (was a ready queue "
@@ -412,6 +456,22 @@ class Consumer:
         Once it is gone RabbitMQ has put the message back for another
         consumer: whoever still holds it should not run it too.
         """
+        if not self._still_up(delivery):
+            return False
+        if threading.get_ident() == self._io_thread:
+            return True
+        with self._turned:
+            if time.monotonic() - self._turned_at < STALE_AFTER_S:
+                return True
+            # The I/O thread has not been back from the broker for a while: this
+            # process was paused (SIGSTOP, a frozen VM), and RabbitMQ may have
+            # given the delivery to another worker meanwhile, which pika learns
+            # only at its next turn. Wait for that turn.
+            turns = self._turns
+            self._turned.wait_for(lambda: self._turns != turns, timeout=STALE_WAIT_S)
+        return self._still_up(delivery)
+
+    def _still_up(self, delivery: Delivery) -> bool:
         connection = self._connection
         return (
             connection is not None and connection.is_open and delivery.generation == self.generation

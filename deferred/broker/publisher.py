@@ -9,7 +9,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any
 
@@ -44,6 +44,16 @@ from deferred.broker.errors import (
 
 logger = logging.getLogger("deferred.broker")
 
+#: On a message sent again after its connection was lost before the broker's
+#: confirm: the first copy may have been taken, so the worker treats this one as
+#: a possible duplicate (it waits briefly, then runs it only if no run of the
+#: job is recorded: deferred.pipeline).
+COPY_HEADER = "x-deferred-copy"
+#: A connection left unused this long is checked before a publish (a quick read,
+#: no round trip): one the broker or the network dropped meanwhile is replaced
+#: before anything is sent on it, rather than found dead with a message in flight.
+IDLE_CHECK_S = 1.0
+
 
 class Publisher:
     """Publishes with confirms and ``mandatory``; one connection per thread.
@@ -55,11 +65,13 @@ class Publisher:
     broker may have taken the message and the confirm be what was lost.
 
     A web process may sit idle long enough for the broker to drop its
-    connection, and a node may die under a publish: a publish that loses its
-    connection reconnects once (to the next node first) and tries again,
-    inside the same deadline. That retry can duplicate a message whose
-    confirm was lost with the connection, which is within the at-least-once
-    guarantee: the copy carries the same job id.
+    connection: a connection unused for :data:`IDLE_CHECK_S` is checked first,
+    and replaced if it is gone. A node may also die under a publish: a publish
+    that loses its connection reconnects once (to the next node first) and
+    tries again, inside the same deadline. A message that was on its way when
+    the connection went may have been taken, its confirm lost: its second copy
+    carries :data:`COPY_HEADER`, so that a worker runs it only if the first
+    did not run (the same job id).
     """
 
     def __init__(self, urls: Urls, timeout: float = PUBLISH_TIMEOUT_S) -> None:
@@ -71,10 +83,12 @@ class Publisher:
         local = self._local
         connection: pika.BlockingConnection | None = getattr(local, "connection", None)
         if connection is not None and local.pid == os.getpid() and connection.is_open:
-            return connection
+            if time.monotonic() - local.used < IDLE_CHECK_S or _alive(connection):
+                local.used = time.monotonic()
+                return connection
         self._forget()
         connection, local.node = open_connection(self.urls, timeout=timeout)
-        local.connection, local.pid = connection, os.getpid()
+        local.connection, local.pid, local.used = connection, os.getpid(), time.monotonic()
         return connection
 
     def _confirm_channel(self) -> BlockingChannel:
@@ -123,9 +137,15 @@ class Publisher:
         ``priority``: the AMQP priority (0-9, :func:`deferred.priorities.level`).
         """
         properties = _properties(message_id, headers, priority)
+        #: Whether a try sent the message on a connection that went before its confirm.
+        sent = False
 
         def send() -> None:
+            nonlocal properties, sent
             channel = self._confirm_channel()
+            if sent:
+                properties = _properties(message_id, {**(headers or {}), COPY_HEADER: 1}, priority)
+            sent = True
             try:
                 channel.basic_publish(exchange, routing_key, body, properties, mandatory=True)
             except px.UnroutableError:
@@ -135,6 +155,7 @@ class Publisher:
                     f"topology or the target queue is missing. {NOT_DECLARED_HINT}"
                 ) from None
             except px.NackError:
+                sent = False  # refused: not taken
                 raise _Refused() from None
 
         self._send(send, exchange)
@@ -332,9 +353,11 @@ class _ConfirmedBatches:
                 )
             self.channel._flush_output(lambda: not self._pending)
         except BaseException:
-            # What was not confirmed is sent again on another channel.
+            # What was not confirmed is sent again on another channel; what was on
+            # its way may have been taken, so its second copy says so.
             self.is_open = False
-            messages[:] = [*self._refused, *self._pending.values(), *messages[sent:]]
+            maybe_taken = [_as_copy(m) for m in self._pending.values()]
+            messages[:] = [*self._refused, *maybe_taken, *messages[sent:]]
             self._pending.clear()
             raise
         return self._refused, self._returned
@@ -351,6 +374,21 @@ class Outgoing:
     headers: dict[str, Any] | None = None
     #: The AMQP priority (0-9); ``None``: none (a record, not a job).
     priority: int | None = None
+
+
+def _as_copy(message: Outgoing) -> Outgoing:
+    """``message`` marked as a possible second copy (:data:`COPY_HEADER`)."""
+    return replace(message, headers={**(message.headers or {}), COPY_HEADER: 1})
+
+
+def _alive(connection: pika.BlockingConnection) -> bool:
+    """Whether an idle connection is still up: what the broker sent meanwhile (a close,
+    the end of the stream) is read without waiting."""
+    try:
+        connection.process_data_events(time_limit=0)
+    except (*CONNECTION_ERRORS, px.AMQPError):
+        return False
+    return bool(connection.is_open)
 
 
 def _properties(

@@ -144,6 +144,7 @@ SETTING_TOPICS: dict[str, tuple[str, ...]] = {
         "TIME_LIMIT",
         "TIME_LIMIT_GRACE",
         "CONSUMER_TIMEOUT",
+        "WORKER_HEARTBEAT",
         "PRIORITIES",
         "HOLD_WINDOW",
         "HOLD_PREFETCH",

@@ -4,6 +4,7 @@ that a worker in another process can report back."""
 import asyncio
 import json
 import os
+import subprocess
 import time
 
 from deferred import Retry, current_job, task
@@ -50,6 +51,19 @@ def sleepy(path: str, label: str, seconds: float) -> None:
     _append(path, label=label, event="start")
     time.sleep(seconds)
     _append(path, label=label, event="end")
+
+
+@task(name="tests.cut_off")
+def cut_off(path: str, label: str) -> None:
+    """Records its run, then has RabbitMQ close every connection (its worker's among
+    them) and returns: its ack goes nowhere, and RabbitMQ delivers it again."""
+    _append(path, label=label, event="ran", job=current_job().id)  # type: ignore[union-attr]
+    subprocess.run(
+        ["rabbitmqctl", "close_all_connections", "test: a job's ack is lost"],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
 
 
 @task(name="tests.explode")
