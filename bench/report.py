@@ -70,7 +70,22 @@ def write(results: dict[str, Any], out: Path) -> None:
     lines += _processes(results)
     lines += _cluster(results, plots)
     lines += _releases(results, plots)
+    lines += _soak()
     (out / "README.md").write_text("\n".join(lines) + "\n")
+
+
+def _soak() -> list[str]:
+    """A pointer, not figures: ``python -m bench`` does not run the soak, which stops the
+    broker on purpose; its runs are recorded on a page of their own."""
+    return [
+        "## The nemesis soak",
+        "",
+        "Not run by `python -m bench`: `python -m bench.soak` runs worker processes under "
+        "load while a nemesis kills, stops and pauses them, closes their connections and "
+        "restarts the broker, then checks the whole history (none lost, none early, each "
+        "duplicate with its likely cause). Commands and figures: [the nemesis soak](soak.md).",
+        "",
+    ]
 
 
 def _targets(r: dict[str, Any]) -> list[str]:

@@ -6,7 +6,9 @@ exits, so that measuring costs nothing per job but a list append.
 
 import atexit
 import importlib
+import json
 import os
+import threading
 import time
 from typing import Any
 
@@ -43,6 +45,40 @@ def tick() -> None:
     assert job is not None and job.occurrence is not None
     with open(os.environ["BENCH_TICKS"], "a") as f:
         f.write(f"{job.id} {job.occurrence.timestamp():.3f} {time.time():.6f} {os.getpid()}\n")
+
+
+@task(name="bench.soak_record")
+def soak_record(n: int = 0) -> None:
+    """The soak's task (``bench.soak``): one JSON line per run, written as it starts.
+
+    One ``os.write`` of a short line to a file opened with ``O_APPEND``: the lines
+    of concurrent threads and processes never interleave, and a worker SIGKILLed
+    a moment later has lost nothing the checker needs. ``redelivered`` stays
+    ``None``: ``current_job()`` does not say. The sleep gives the job the
+    millisecond of work of the jobs the soak stands for.
+    """
+    started = time.time()
+    job = current_job()
+    assert job is not None
+    line = json.dumps(
+        {
+            "id": job.id,
+            "attempt": job.attempt,
+            "start": started,
+            "due": job.due.timestamp(),
+            "pid": os.getpid(),
+            "thread": threading.current_thread().name,
+            "worker": os.environ.get("BENCH_SOAK_WORKER"),
+            "redelivered": None,
+            "n": n,
+        }
+    )
+    fd = os.open(os.environ["BENCH_SOAK_RUNS"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (line + "\n").encode())
+    finally:
+        os.close(fd)
+    time.sleep(0.001)
 
 
 def _write() -> None:
