@@ -92,9 +92,16 @@ DEFAULTS: dict[str, Any] = {
     # priorities). False: plain FIFO queues, and priorities only order the
     # jobs waiting in a worker for a thread.
     "PRIORITIES": True,
-    # "classic" or "quorum": quorum queues close the crash window between two
-    # levels and cost about twice the broker CPU per job.
+    # The ready, hold and failed queues' type, "classic" or "quorum". Quorum
+    # queues are replicated on a cluster; classic ones keep ten priority
+    # levels on RabbitMQ 3.x and cost the broker less per job.
     "QUEUE_TYPE": "classic",
+    # The delay queues' type. "quorum": a job moves from one delay queue to the
+    # next with RabbitMQ's confirm (at-least-once dead-lettering), so a broker
+    # restart or crash loses none. "classic" costs the broker less, but classic
+    # queues dead-letter without confirms: a restart under load loses the jobs
+    # moving between queues at that moment. Only with QUEUE_TYPE "classic".
+    "DELAY_QUEUE_TYPE": "quorum",
     # The target queues' names; the first is the default. Letters, digits,
     # "_" and "-" (no dots).
     "QUEUES": ["default"],
@@ -260,6 +267,8 @@ class DeferredSettings:
     radix: int
     resolution_ms: int
     queue_type: str
+    #: The delay queues' type (``DELAY_QUEUE_TYPE``).
+    delay_queue_type: str
     queues: tuple[str, ...]
     max_retries: int
     retry_backoff: Backoff
@@ -638,6 +647,18 @@ def _build(raw: Any) -> DeferredSettings:
         raise ImproperlyConfigured(
             f"DEFERRED['QUEUE_TYPE'] must be one of {', '.join(QUEUE_TYPES)}; got {queue_type!r}."
         )
+    delay_queue_type = values["DELAY_QUEUE_TYPE"]
+    if delay_queue_type not in QUEUE_TYPES:
+        raise ImproperlyConfigured(
+            f"DEFERRED['DELAY_QUEUE_TYPE'] must be one of {', '.join(QUEUE_TYPES)}; got "
+            f"{delay_queue_type!r}."
+        )
+    if queue_type == "quorum" and delay_queue_type != "quorum":
+        raise ImproperlyConfigured(
+            "DEFERRED['DELAY_QUEUE_TYPE'] must be 'quorum' when QUEUE_TYPE is 'quorum': classic "
+            "delay queues would lose jobs moving between them on a broker restart, and would "
+            "live on one node of the cluster that quorum queues are for."
+        )
 
     queues = values["QUEUES"]
     if isinstance(queues, str) or not isinstance(queues, list | tuple) or not queues:
@@ -750,6 +771,7 @@ def _build(raw: Any) -> DeferredSettings:
         radix=radix,
         resolution_ms=resolution_ms,
         queue_type=queue_type,
+        delay_queue_type=delay_queue_type,
         queues=tuple(queues),
         max_retries=max_retries,
         retry_backoff=retry_backoff,

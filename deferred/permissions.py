@@ -57,9 +57,12 @@ def for_role(role: str, prefix: str) -> Permissions:
     # The names topology.py gives, and nothing else: a regex as loose as
     # "PREFIX\..+" would also match the names of a prefix nested in this one
     # ("app" and "app.x"). Any topology id: RADIX, RESOLUTION, MAX_DELAY and
-    # QUEUE_TYPE change it, HOLD_WINDOW adds the held levels (".H2") and
-    # PRIORITIES the classic queues' priority levels (".P9").
-    topology = r"delay\.r\d+\.\d+ms\.L\d+(\.H\d+)?(\.P\d+)?\.(classic|quorum)"
+    # QUEUE_TYPE change it, HOLD_WINDOW adds the held levels (".H2"),
+    # PRIORITIES the classic queues' priority levels (".P9"), and quorum delay
+    # queues under classic ready queues ".quorum-delays".
+    topology = (
+        r"delay\.r\d+\.\d+ms\.L\d+(\.H\d+)?(\.P\d+)?\.(classic|quorum)(\.(classic|quorum)-delays)?"
+    )
     ingest = rf"{p}\.{topology}\.ingest"
     everything = (
         rf"{p}\.({topology}\.(ingest|after\.L\d+|L\d+\.d\d+)"

@@ -32,9 +32,10 @@ fourth, :class:`Hold`, tells it to wait, and a fifth, :class:`Joined`, that the
 delivery is a copy of an attempt this worker is running: it is settled when
 that run ends.
 
-**Copies** (:mod:`deferred.runs`): before any of the steps above, a delivery
-of an attempt this worker ran lately is acked without running
-(``outcome=duplicate``), and one of an attempt it is running joins that run.
+**Copies** (:mod:`deferred.runs`): once a job is due and not cancelled (step
+3 on), a delivery of an attempt this worker ran lately is acked without
+running (``outcome=duplicate``), and one of an attempt it is running joins
+that run.
 A delivery that may have run elsewhere (redelivered, or a copy carrying a
 delivery count) is looked up in the results stream first, when the job keeps
 results: if its attempt ended there, it is acked without running too.
@@ -182,35 +183,7 @@ class Pipeline:
         seconds = self.hold_seconds(job) or self._copy_wait(delivery, job)
         if seconds:
             raise Hold(job, seconds)
-        if self.runs is None:
-            return self._process(delivery, job)
-        key = run_key(job)
-        count = self._count_of(delivery)
-        claim = self.runs.claim(key, delivery, count)
-        if claim is Claim.JOINED:
-            raise Joined(job.id)
-        if claim is Claim.DONE:
-            return self._duplicate(job, "here")
-        outcome: Outcome | None = None
-        how = End.FORGOTTEN
-        try:
-            if self._ended_elsewhere(delivery, job):
-                outcome = self._duplicate(job, "elsewhere")
-            else:
-                outcome = self._process(delivery, job)
-            how = _END_OF.get(outcome, End.SETTLED)
-            return outcome
-        except Abandoned:
-            how = End.SETTLED  # settled by timed_out() already: its copies are duplicates
-            raise
-        finally:
-            joined = self.runs.end(key, how, count + 1)
-            if joined and self.settle is not None:
-                for copy in joined:
-                    self.settle(copy, how is not End.FORGOTTEN)
 
-    def _process(self, delivery: Delivery, job: Job) -> Outcome:
-        """:meth:`process` from the cancels on, for a job that is due and no copy."""
         # Read every cancel confirmed before the job came due first: a cancel
         # issued a moment before must win (clocks agreeing, as for "never early").
         try:
@@ -230,7 +203,50 @@ class Pipeline:
         # this one came due replaces it (deferred.keys).
         if job.key is not None and self.cancels.view.keys.is_superseded(job.id):
             return self._log(job, _lateness_ms(job), Outcome.SUPERSEDED, 0.0, f"key={job.key!r}")
+        if self.runs is None:
+            return self._run(delivery, job)
+        return self._run_once(self.runs, delivery, job)
 
+    def _run_once(self, runs: RecentRuns[Delivery], delivery: Delivery, job: Job) -> Outcome:
+        """:meth:`_run`, unless this worker runs or ran the same attempt (a copy joins
+        that run, or is acked without running) or the results say another one did."""
+        key = run_key(job)
+        count = self._count_of(delivery)
+        claim = runs.claim(key, delivery, count)
+        if claim is Claim.JOINED:
+            first = runs.first(key)
+            if first is not None and first.generation == delivery.generation:
+                # Taken back while its connection stayed up: the queue's consumer
+                # timeout (quorum queues on RabbitMQ 4.3 return the message).
+                logger.warning(
+                    "job=%s ran past its queue's consumer timeout, which took it back; this "
+                    "worker runs it on and acks the copy it was handed again. Jobs that run "
+                    "this long need a longer timeout: DEFERRED['CONSUMER_TIMEOUT'] for "
+                    "quorum queues, consumer_timeout in rabbitmq.conf for classic ones.",
+                    job.id,
+                )
+            raise Joined(job.id)
+        if claim is Claim.DONE:
+            return self._duplicate(job, "here")
+        how = End.FORGOTTEN
+        try:
+            if self._ended_elsewhere(delivery, job):
+                outcome = self._duplicate(job, "elsewhere")
+            else:
+                outcome = self._run(delivery, job)
+            how = _END_OF.get(outcome, End.SETTLED)
+            return outcome
+        except Abandoned:
+            how = End.SETTLED  # settled by timed_out() already: its copies are duplicates
+            raise
+        finally:
+            joined = runs.end(key, how, count + 1)
+            if joined and self.settle is not None:
+                for copy in joined:
+                    self.settle(copy, how is not End.FORGOTTEN)
+
+    def _run(self, delivery: Delivery, job: Job) -> Outcome:
+        """:meth:`process` from the redelivery count on: the job is due, not cancelled."""
         if delivery.redelivered and self.count_redeliveries:
             outcome = self._count_redelivery(delivery, job)
             if outcome:

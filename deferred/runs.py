@@ -113,8 +113,14 @@ class RecentRuns(Generic[T]):
                     return Claim.DONE
                 # The copy this worker sent on with its count (or a later one): it runs.
                 del self._ended[key]
-            self._running[key] = _Running()
+            self._running[key] = _Running(delivery)
             return Claim.RUN
+
+    def first(self, key: str) -> T | None:
+        """The delivery whose run of attempt ``key`` is under way, if one is."""
+        with self._lock:
+            running = self._running.get(key)
+            return None if running is None else running.delivery
 
     def end(self, key: str, how: End, count: int = 0) -> list[T]:
         """Attempt ``key``'s run ended ``how`` (``count``: the delivery count it was
@@ -137,5 +143,7 @@ class RecentRuns(Generic[T]):
 
 @dataclass
 class _Running(Generic[T]):
+    #: The delivery being run.
+    delivery: T
     #: Deliveries of the same attempt that arrived while it ran, settled with it.
     joined: list[T] = field(default_factory=list)

@@ -125,6 +125,14 @@ class Plan:
     hold_levels: int = 0
     #: The classic ready and hold queues' ``x-max-priority`` (0: FIFO queues).
     max_priority: int = 0
+    #: The delay queues' type: quorum (dead-lettering with confirms) unless asked
+    #: otherwise; empty: ``queue_type`` (topologies recorded before it existed).
+    delay_queue_type: str = ""
+
+    @property
+    def delay_type(self) -> str:
+        """The delay queues' type (``quorum`` or ``classic``)."""
+        return self.delay_queue_type or self.queue_type
 
     @property
     def legacy_queues(self) -> tuple[dict[str, str], dict[str, str]]:
@@ -241,6 +249,7 @@ class Plan:
             "max_priority": self.max_priority,
             "max_delay_ms": self.max_delay_ms,
             "queue_type": self.queue_type,
+            "delay_queue_type": self.delay_type,
             "ingest_exchange": self.ingest_exchange,
             "exchanges": [asdict(e) for e in (*self.exchanges, self.failed_exchange)],
             "queues": [asdict(q) for q in (*self.delay_queues, *self.shared_queues)],
@@ -257,6 +266,7 @@ class Plan:
                 "levels": self.levels,
                 "max_delay_ms": self.max_delay_ms,
                 "queue_type": self.queue_type,
+                "delay_queue_type": self.delay_type,
                 "hold_levels": self.hold_levels,
                 "max_priority": self.max_priority,
             },
@@ -274,6 +284,7 @@ def widest_plan(
     queues: tuple[str, ...] | list[str],
     hold_levels: int = 0,
     max_priority: int = 0,
+    delay_queue_type: str | None = None,
 ) -> Plan:
     """Every queue a topology of this shape may have, whatever MAX_DELAY it was declared with.
 
@@ -291,6 +302,7 @@ def widest_plan(
         levels=levels,
         hold_levels=hold_levels,
         max_priority=max_priority,
+        delay_queue_type=delay_queue_type,
     )
 
 
@@ -311,6 +323,8 @@ def recorded_plan(record: Mapping[str, Any], *, prefix: str, queues: tuple[str, 
         hold_levels=int(record.get("hold_levels", 0)),
         # Recorded before priorities: FIFO ready queues.
         max_priority=int(record.get("max_priority", 0)),
+        # Recorded before quorum delay queues: the delay queues were of queue_type.
+        delay_queue_type=str(record.get("delay_queue_type") or record["queue_type"]),
     )
 
 
@@ -448,6 +462,8 @@ class TopologySettings(Protocol):
     def priorities(self) -> bool: ...
     @property
     def result_ttl_ms(self) -> int: ...
+    @property
+    def delay_queue_type(self) -> str: ...
     def __hash__(self) -> int: ...
 
 
@@ -468,6 +484,7 @@ def plan_topology(settings: TopologySettings) -> Plan:
         hold_window_ms=settings.hold_window_ms,
         max_priority=MAX_LEVEL if settings.priorities else 0,
         result_ttl_ms=settings.result_ttl_ms,
+        delay_queue_type=settings.delay_queue_type,
     )
 
 
@@ -511,6 +528,7 @@ def build_plan(
     hold_levels: int | None = None,
     max_priority: int = 0,
     result_ttl_ms: int = RESULT_TTL_MS,
+    delay_queue_type: str | None = None,
 ) -> Plan:
     """Compute a topology from its defining values.
 
@@ -525,7 +543,12 @@ def build_plan(
     queues, whose messages the workers forward to the new ones
     (:attr:`Plan.legacy_queues`). Quorum queues order by priority with no
     argument (RabbitMQ 4.0+), so nothing changes for them.
+
+    ``delay_queue_type``: the delay queues' type (``None``: ``queue_type``).
+    Quorum delay queues under classic ready queues make a topology of their
+    own (``....classic.quorum-delays``): the id says both.
     """
+    delay_type = delay_queue_type or queue_type
     if radix < 2:
         raise TopologyError(f"The radix must be at least 2, got {radix}.")
     if resolution_ms < 1:
@@ -555,6 +578,8 @@ def build_plan(
         raise TopologyError(f"max_priority must be from 0 to {MAX_LEVEL}, got {max_priority}.")
     marks = f"{f'.H{held}' if held else ''}{f'.P{max_priority}' if max_priority else ''}"
     topology_id = f"r{radix}.{resolution_ms}ms.L{levels}{marks}.{queue_type}"
+    if delay_type != queue_type:
+        topology_id += f".{delay_type}-delays"
     base = f"{prefix}.delay.{topology_id}"
     ingest = f"{base}.ingest"
     failed = f"{prefix}.failed"
@@ -588,7 +613,7 @@ def build_plan(
                 Queue(
                     name=f"{base}.L{level:02d}.d{digit:02d}",
                     arguments=_delay_queue_arguments(
-                        queue_type, group_size, ttl_ms, level_exchange(level)
+                        delay_type, group_size, ttl_ms, level_exchange(level)
                     ),
                     ttl_ms=ttl_ms,
                     level=level,
@@ -658,6 +683,7 @@ def build_plan(
         hold_queues=hold_queues,
         hold_levels=held,
         max_priority=max_priority,
+        delay_queue_type=delay_type,
         failed_queue=Queue(failed, _kept_queue_arguments(queue_type, group_size)),
         failed_exchange=Exchange(failed, "fanout"),
         registry_queue=Queue(f"{prefix}.topologies", _kept_queue_arguments(queue_type, group_size)),

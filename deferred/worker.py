@@ -399,7 +399,7 @@ class Worker:
 
     def _stuck_watch(self) -> StuckWatch | None:
         """On quorum queues, a watch over stuck dead-letters, if the management API may be asked."""
-        if self.settings.queue_type != "quorum" or not self.settings.management_urls:
+        if self.settings.delay_queue_type != "quorum" or not self.settings.management_urls:
             return None
         return StuckWatch(self.settings, self.plan.prefix, management_api(self.settings))
 
@@ -587,7 +587,7 @@ class Worker:
 
     def _taken_back(self, delivery: Delivery) -> None:
         """Say why a job that ran was not acked: RabbitMQ took its delivery back."""
-        if self.consumer.lost == LOST_CONSUMER_TIMEOUT:
+        if self.consumer.why_lost(delivery.generation) == LOST_CONSUMER_TIMEOUT:
             # Only a job held longer than the broker's consumer timeout gets here.
             logger.warning(
                 "job=%s from %s ran past RabbitMQ's consumer timeout, which took its delivery "

@@ -16,7 +16,7 @@ class Recording(Observer):
         self.calls.append(("outcome", task, queue, outcome, lateness_s, duration_s))
 
 
-def test_the_eight_outcomes_are_the_strings_the_log_and_the_metric_say():
+def test_the_nine_outcomes_are_the_strings_the_log_and_the_metric_say():
     assert [str(o) for o in Outcome] == [
         "succeeded",
         "retrying",
@@ -26,6 +26,7 @@ def test_the_eight_outcomes_are_the_strings_the_log_and_the_metric_say():
         "rescheduled",
         "requeued",
         "dropped",
+        "duplicate",
     ]
     assert Outcome("failed") is Outcome.FAILED
     assert "outcome=requeued" in JOB_LINE % ("j", "t", 1, 0.0, Outcome.REQUEUED, 0.0, "")

@@ -494,14 +494,11 @@ class Admin:
             raise BrokerError(f"{waiting} job(s) still wait in topology {plan.topology_id}.")
         self.channel.exchange_delete(plan.ingest_exchange)
         for queue in plan.delay_queues:
-            try:
-                self.channel.queue_delete(queue.name, if_empty=True)
-            except px.ChannelClosedByBroker as exc:
-                self._reopen()
+            if not self._delete_empty(queue.name, queue.arguments.get("x-queue-type")):
                 raise BrokerError(
-                    f"Queue {queue.name!r} received messages meanwhile and was kept: "
-                    f"{exc.reply_text}. Run the removal again once it is empty."
-                ) from exc
+                    f"Queue {queue.name!r} received messages meanwhile and was kept. Run the "
+                    "removal again once it is empty."
+                )
         for exchange in plan.exchanges:
             self.channel.exchange_delete(exchange.name)
         self.forget_topology(plan, plan.topology_id)
@@ -510,12 +507,31 @@ class Admin:
         """Delete queue ``name`` if no message is ready in it (the broker checks
         atomically; it does not count messages delivered and not yet acked: the caller
         knows where those go); whether it is gone now (missing counts as gone)."""
+        self._delete_empty(name, "classic")  # the legacy queues: classic only
+        return self.queue_stats(name) is None
+
+    def _delete_empty(self, name: str, queue_type: Any) -> bool:
+        """Delete queue ``name`` if it has no ready message; whether it was deleted (or
+        was not there).
+
+        A classic queue is deleted ``if-empty``, which the broker checks
+        atomically. A quorum queue refuses ``if-empty`` (RabbitMQ 4.x closes the
+        connection: ``NOT_IMPLEMENTED``), so it is counted, then deleted: the
+        callers stop what feeds it first (the ingest exchange, the levels above).
+        """
+        if queue_type == "quorum":
+            count = self.message_count(name)
+            if count:
+                return False
+            if count is not None:
+                self.channel.queue_delete(name)
+            return True
         try:
             self.channel.queue_delete(name, if_empty=True)
         except px.ChannelClosedByBroker:
             self._reopen()
             return False
-        return self.queue_stats(name) is None
+        return True
 
     def delete(self, queues: Sequence[str], exchanges: Sequence[str]) -> None:
         """Delete ``queues`` (messages included) then ``exchanges``; what does not exist is

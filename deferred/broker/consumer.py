@@ -73,6 +73,8 @@ STALE_WAIT_S = 5.0
 #: Why the consuming connection went, as :attr:`Consumer.lost` says it.
 LOST_CONNECTION = "connection"
 LOST_CONSUMER_TIMEOUT = "consumer_timeout"
+#: How many generations' reasons are kept: a job outlives a few reconnects at most.
+LOST_KEPT = 16
 
 
 @dataclass(frozen=True)
@@ -220,9 +222,9 @@ class Consumer:
         self.urls = as_urls(urls)
         #: The connection's heartbeat in seconds (``None``: the broker's, 60 s by default).
         self.heartbeat = heartbeat
-        #: Why the last connection went: :data:`LOST_CONNECTION`,
-        #: :data:`LOST_CONSUMER_TIMEOUT`, or ``None`` while it is up (or was closed by us).
-        self.lost: str | None = None
+        #: Why the connections of the last few generations went: :data:`LOST_CONNECTION`
+        #: or :data:`LOST_CONSUMER_TIMEOUT` (see :meth:`why_lost`).
+        self._lost: dict[int, str] = {}
         #: How many times the I/O thread came back from the broker, and when it last did:
         #: a job's thread checks them before it trusts the connection (see holds()).
         self._turns = 0
@@ -288,12 +290,20 @@ class Consumer:
             self._start_forwarding(connection)
         self._connection, self._channel, self.node = connection, channel, node
         self._slots, self._taking = slots, True
-        self.lost = None
+        for old in [g for g in self._lost if g < self.generation - LOST_KEPT]:
+            del self._lost[old]
         self._turn()
 
     def _on_channel_closed(self, _channel: Any, reason: Exception) -> None:
-        if isinstance(reason, px.ChannelClosedByBroker) and "timeout" in str(reason.reply_text):
-            self.lost = LOST_CONSUMER_TIMEOUT
+        # "PRECONDITION_FAILED - delivery acknowledgement on channel 1 timed out..."
+        text = str(getattr(reason, "reply_text", "")).lower()
+        if isinstance(reason, px.ChannelClosedByBroker) and "acknowledgement" in text:
+            self._lost[self.generation] = LOST_CONSUMER_TIMEOUT
+
+    def why_lost(self, generation: int) -> str | None:
+        """Why the connection of ``generation`` went: :data:`LOST_CONNECTION`,
+        :data:`LOST_CONSUMER_TIMEOUT`, or ``None`` (up, closed by the worker, or long ago)."""
+        return self._lost.get(generation)
 
     def _turn(self) -> None:
         """The I/O thread is back from the broker: threads waiting in holds() look again."""
@@ -413,20 +423,20 @@ class Consumer:
             wait = slots.wait(seconds, time.monotonic()) if self._taking else seconds
             connection.process_data_events(time_limit=wait)
         except (*CONNECTION_ERRORS, px.AMQPChannelError) as exc:
-            self.lost = self.lost or LOST_CONNECTION
+            self._lost.setdefault(self.generation, LOST_CONNECTION)
             where = self._drop(lost=True)
             raise BrokerUnavailable(f"Lost the connection to RabbitMQ{where}: {exc!r}") from exc
         finally:
             self._turn()
         if self._channel is None or self._channel.is_closed:
-            self.lost = self.lost or LOST_CONNECTION
+            self._lost.setdefault(self.generation, LOST_CONNECTION)
             # e.g. RabbitMQ's consumer_timeout closes the channel, not the connection.
             self._drop(lost=False)
             raise BrokerUnavailable("RabbitMQ closed the consuming channel.")
         if self._cancelled_by_broker:
             # A quorum queue's leader moving away cancels consumers too: try
             # another node first.
-            self.lost = LOST_CONNECTION
+            self._lost.setdefault(self.generation, LOST_CONNECTION)
             self._drop(lost=True)
             raise BrokerUnavailable(
                 f"RabbitMQ cancelled consumer {self._cancelled_by_broker} (was a ready queue "

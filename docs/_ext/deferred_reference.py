@@ -134,6 +134,7 @@ SETTING_TOPICS: dict[str, tuple[str, ...]] = {
         "PREFIX",
         "QUEUES",
         "QUEUE_TYPE",
+        "DELAY_QUEUE_TYPE",
         "QUORUM_GROUP_SIZE",
         "DECLARE",
         "MAX_DELAY",
