@@ -251,13 +251,16 @@ def check(
     end: float,
     *,
     origin: float | None = None,
+    leftovers: dict[str, int] | None = None,
     window_s: float = CAUSE_WINDOW_S,
     settle_s: float = SETTLE_S,
     late_s: float = LATE_S,
 ) -> dict[str, Any]:
     """The verdict over a history; ``end`` is when the workers were told to stop (a job
     due after it may not have run). ``origin`` (default: the first call) is the zero of
-    the report's relative times."""
+    the report's relative times. ``leftovers``: the messages still in the job queues at
+    the end, per queue, shown beside the losses (a job stuck in a queue is not gone,
+    but it did not run: it counts as lost)."""
     if origin is None:
         origin = min((c["called"] for c in calls), default=end)
     ok = {c["id"]: c for c in calls if c["outcome"] == "ok"}
@@ -292,6 +295,7 @@ def check(
         "unknown_runs": sorted(by_id.keys() - ok.keys() - raised_ids),
         "not_due_at_end": not_due,
         "lost": lost,
+        "leftovers": dict(leftovers or {}),
         "early": early,
         "duplicates": duplicates,
         "duplicate_extra_runs": sum(d["extra"] for d in duplicates),
@@ -331,6 +335,10 @@ def report_text(result: dict[str, Any]) -> str:
             f"{_fault(item['nearest_fault'])} "
             f"(due {item['due_after_fault_start_s']} s after it began)"
         )
+    left = result.get("leftovers") or {}
+    if left:
+        lines.append(f"messages still in the job queues at the end: {sum(left.values())}")
+        lines += [f"  {count} in {queue}" for queue, count in sorted(left.items())]
     lines.append(f"early: {len(result['early'])}")
     for item in result["early"][:20]:
         lines.append(f"  {item['id']} on {item['worker']}: {item['early_ms']} ms early")
@@ -391,6 +399,7 @@ def check_folder(out: Path) -> dict[str, Any]:
         load_jsonl(out / "faults.jsonl"),
         meta["end"],
         origin=meta["origin"],
+        leftovers=meta.get("leftovers"),
     )
 
 

@@ -81,6 +81,19 @@ def test_a_job_that_never_ran_is_lost_near_the_fault_of_its_due_time():
     assert lost["due_after_fault_start_s"] == 5
     text = report_text(result)
     assert "lost: 1" in text and "restart broker at +25.0 s" in text and "FAILED" in text
+    assert "still in the job queues" not in text
+
+
+def test_messages_left_in_the_queues_are_shown_beside_the_losses():
+    calls, runs, faults = history()
+    runs = [r for r in runs if r["id"] != "c"]
+    left = {"p.delay.L04.d01": 1}
+    result = check(calls, runs, faults, END, origin=T0, leftovers=left)
+    assert not result["passed"], "a job stuck in a queue did not run: it counts"
+    assert result["leftovers"] == left
+    assert "messages still in the job queues at the end: 1\n  1 in p.delay.L04.d01" in (
+        report_text(result)
+    )
 
 
 def test_the_nearest_fault_is_the_closest_in_time_when_none_was_under_way():
