@@ -28,6 +28,7 @@ DEFERRED: dict[str, object] = {
     "RADIX": int(os.environ.get("BENCH_RADIX", "2")),
     "RESOLUTION": float(os.environ.get("BENCH_RESOLUTION_S", "0.001")),
     "QUEUE_TYPE": os.environ.get("BENCH_QUEUE_TYPE", "classic"),
+    "DELAY_QUEUE_TYPE": os.environ.get("BENCH_DELAY_QUEUE_TYPE") or None,
     "MAX_DELAY": 400 * 86400,
     "ON_COMMIT": False,
 }

@@ -585,6 +585,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "BENCH_PREFIX": prefix,
         "BENCH_RADIX": "16",
         "BENCH_QUEUE_TYPE": args.queue_type,
+        "BENCH_DELAY_QUEUE_TYPE": args.delay_queue_type or "",
         "BENCH_SOAK_RUNS": str(out / "runs.jsonl"),
         "BENCH_DB": str(out / "soak.sqlite3"),
         "BENCH_LOG_LEVEL": "INFO",
@@ -615,7 +616,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit(f"python -m bench.soak: {exc}") from None
     print(
         f"soak {prefix}: seed {seed}, {args.workers} workers, {args.rate:g} jobs/s for "
-        f"{args.seconds:g} s, {args.queue_type} queues; {len(schedule)} faults planned "
+        f"{args.seconds:g} s, {args.queue_type} queues "
+        f"({args.delay_queue_type or args.queue_type} delay queues); "
+        f"{len(schedule)} faults planned "
         f"{dict(Counter(p.kind for p in schedule))}; output in {out}",
         flush=True,
     )
@@ -713,6 +716,13 @@ def parser() -> argparse.ArgumentParser:
         "--queue-type",
         choices=("classic", "quorum"),
         default=os.environ.get("BENCH_QUEUE_TYPE", "classic"),
+        help="the ready, hold and failed queues' (QUEUE_TYPE)",
+    )
+    p.add_argument(
+        "--delay-queue-type",
+        choices=("classic", "quorum"),
+        default=os.environ.get("BENCH_DELAY_QUEUE_TYPE") or None,
+        help="the delay queues' (DELAY_QUEUE_TYPE; default: --queue-type's)",
     )
     p.add_argument("--drain", type=float, default=120.0, help="s at most, after the load")
     p.add_argument(

@@ -96,12 +96,14 @@ DEFAULTS: dict[str, Any] = {
     # queues are replicated on a cluster; classic ones keep ten priority
     # levels on RabbitMQ 3.x and cost the broker less per job.
     "QUEUE_TYPE": "classic",
-    # The delay queues' type. "quorum": a job moves from one delay queue to the
-    # next with RabbitMQ's confirm (at-least-once dead-lettering), so a broker
-    # restart or crash loses none. "classic" costs the broker less, but classic
-    # queues dead-letter without confirms: a restart under load loses the jobs
-    # moving between queues at that moment. Only with QUEUE_TYPE "classic".
-    "DELAY_QUEUE_TYPE": "quorum",
+    # The delay queues' type, "classic" or "quorum" (only with QUEUE_TYPE
+    # "quorum" too, or with classic ready queues). Classic queues dead-letter
+    # without confirms: a broker restart under load can lose a job moving
+    # between two delay queues at that moment. Quorum queues dead-letter with
+    # confirms, and on RabbitMQ 4.x lost none in the restart tests; on 3.10
+    # they stranded dead-letters after a restart (a RabbitMQ bug). See the
+    # guarantees page before choosing.
+    "DELAY_QUEUE_TYPE": None,
     # The target queues' names; the first is the default. Letters, digits,
     # "_" and "-" (no dots).
     "QUEUES": ["default"],
@@ -647,11 +649,11 @@ def _build(raw: Any) -> DeferredSettings:
         raise ImproperlyConfigured(
             f"DEFERRED['QUEUE_TYPE'] must be one of {', '.join(QUEUE_TYPES)}; got {queue_type!r}."
         )
-    delay_queue_type = values["DELAY_QUEUE_TYPE"]
+    delay_queue_type = values["DELAY_QUEUE_TYPE"] or queue_type
     if delay_queue_type not in QUEUE_TYPES:
         raise ImproperlyConfigured(
-            f"DEFERRED['DELAY_QUEUE_TYPE'] must be one of {', '.join(QUEUE_TYPES)}; got "
-            f"{delay_queue_type!r}."
+            f"DEFERRED['DELAY_QUEUE_TYPE'] must be None (QUEUE_TYPE's) or one of "
+            f"{', '.join(QUEUE_TYPES)}; got {delay_queue_type!r}."
         )
     if queue_type == "quorum" and delay_queue_type != "quorum":
         raise ImproperlyConfigured(

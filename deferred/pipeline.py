@@ -142,7 +142,7 @@ class Pipeline:
         watchdog: Watchdog | None = None,
         results: Recorder | None = None,
         runs: RecentRuns[Delivery] | None = None,
-        settle: Callable[[Delivery, bool], None] | None = None,
+        settle: Callable[[Delivery, End], None] | None = None,
     ) -> None:
         self.settings = settings
         self.plan = plan
@@ -157,7 +157,7 @@ class Pipeline:
         self.results = results
         #: The attempts this worker runs or ran lately; ``None``: copies are not looked for.
         self.runs = runs
-        #: Acks (``True``) or hands back a delivery that joined a run, as the run ends.
+        #: Settles a delivery that joined a run, as the run ended (:meth:`_run_once`).
         self.settle = settle
         #: Quorum queues count deliveries themselves (x-delivery-limit).
         self.count_redeliveries = settings.queue_type == "classic"
@@ -215,7 +215,12 @@ class Pipeline:
         claim = runs.claim(key, delivery, count)
         if claim is Claim.JOINED:
             first = runs.first(key)
-            if first is not None and first.generation == delivery.generation:
+            if (
+                first is not None
+                and delivery.redelivered
+                and first.generation == delivery.generation
+                and self._count_of(first) == count
+            ):
                 # Taken back while its connection stayed up: the queue's consumer
                 # timeout (quorum queues on RabbitMQ 4.3 return the message).
                 logger.warning(
@@ -243,7 +248,7 @@ class Pipeline:
             joined = runs.end(key, how, count + 1)
             if joined and self.settle is not None:
                 for copy in joined:
-                    self.settle(copy, how is not End.FORGOTTEN)
+                    self.settle(copy, how)
 
     def _run(self, delivery: Delivery, job: Job) -> Outcome:
         """:meth:`process` from the redelivery count on: the job is due, not cancelled."""

@@ -75,7 +75,7 @@ from deferred.priorities import DEFAULT_LEVEL
 from deferred.publishing import note_verified
 from deferred.recycling import Recycling
 from deferred.results import Recorder
-from deferred.runs import RecentRuns
+from deferred.runs import End, RecentRuns
 from deferred.scheduler import Scheduler, scheduled_tasks
 from deferred.topology import Plan, plan_topology
 from deferred.watch import StuckWatch
@@ -606,10 +606,23 @@ class Worker:
                 delivery.queue,
             )
 
-    def _settle_copy(self, delivery: Delivery, ack: bool) -> None:
-        """A delivery that joined a run of its job is settled as that run ends: acked
-        with it, or handed back with it."""
-        self.consumer.settle_threadsafe(delivery, ack=ack, requeue=True)
+    def _settle_copy(self, delivery: Delivery, how: End) -> None:
+        """A delivery that joined a run of its job, as that run ended ``how``: acked with
+        a run that settled the job, handed back with one that did not, and processed
+        anew after one that sent the job on with its delivery count (classic queues),
+        for it may be that very copy: then it runs, and a stale one is acked."""
+        if how is End.REQUEUED:
+            with self._lock:
+                self._inflight += 1
+            assert self._executor is not None
+            try:
+                self._executor.submit(self._execute, delivery, priority=_level(delivery))
+            except RuntimeError:  # the pool is shut down: RabbitMQ gets it back
+                with self._lock:
+                    self._inflight -= 1
+                self.consumer.settle_threadsafe(delivery, ack=False, requeue=True)
+            return
+        self.consumer.settle_threadsafe(delivery, ack=how is End.SETTLED, requeue=True)
 
     def process(self, delivery: Delivery, job: Job | None = None) -> Outcome:
         """Run or dispose of one message; return its outcome (:mod:`deferred.pipeline`).

@@ -88,6 +88,8 @@ DEFERRED: dict[str, object] = {
     "QUEUES": ["default", "other"],
     # Worker subprocesses of the poison-job tests run with other values.
     "QUEUE_TYPE": os.environ.get("DEFERRED_TEST_QUEUE_TYPE", "classic"),
+    # The restart tests run with quorum delay queues too.
+    "DELAY_QUEUE_TYPE": os.environ.get("DEFERRED_TEST_DELAY_QUEUE_TYPE") or None,
     "DELIVERY_LIMIT": int(os.environ.get("DEFERRED_TEST_DELIVERY_LIMIT", "5")),
     # Worker subprocesses of the infrastructure-as-code tests run with DECLARE off.
     "DECLARE": os.environ.get("DEFERRED_TEST_DECLARE", "true") == "true",

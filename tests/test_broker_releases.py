@@ -113,15 +113,11 @@ def test_a_vhost_whose_default_queue_type_is_quorum_keeps_a_classic_topology_cla
     types = {name: q["type"] for name, q in queues.items()}
     for stream in plan.streams:
         assert types.pop(stream.name) == "stream"
-    # The ready, hold and failed queues classic, as QUEUE_TYPE says; the delay queues
-    # quorum, as DELAY_QUEUE_TYPE says, whatever the vhost's default.
-    delays = {q.name for q in plan.delay_queues}
-    assert {types.pop(name) for name in delays} == {"quorum"}
     assert set(types.values()) == {"classic"}, types
     assert all(
-        q["arguments"].get("x-queue-type") == q["type"]
+        q["arguments"].get("x-queue-type") == "classic"
         for q in queues.values()
-        if q["type"] != "stream"
+        if q["type"] == "classic"
     )
 
 

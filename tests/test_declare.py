@@ -54,14 +54,14 @@ def test_second_run_changes_nothing_and_says_so(topology):
 def test_first_run_says_what_it_created(broker_url):
     with own_prefix(broker_url, RADIX=16):
         out = run()
-        assert "Declared topology r16.1ms.L4.H2.P9.classic.quorum-delays: created" in out
+        assert "Declared topology r16.1ms.L4.H2.P9.classic: created" in out
         assert "nothing changed" in run()
 
 
 def test_dry_run_prints_the_plan_and_touches_nothing(broker_url):
     with own_prefix(broker_url, RADIX=4):
         text = run("--dry-run")
-        assert "Topology r4.1ms.L8.H4.P9.classic.quorum-delays" in text and "ttl=" in text
+        assert "Topology r4.1ms.L8.H4.P9.classic" in text and "ttl=" in text
         plan = json.loads(run("--dry-run", "--format", "json"))
         assert plan["radix"] == 4 and plan["levels"] == 8
         ttls = sorted(

