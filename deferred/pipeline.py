@@ -234,21 +234,33 @@ class Pipeline:
         if claim is Claim.DONE:
             return self._duplicate(job, "here")
         how = End.FORGOTTEN
+        #: How the copies that joined this run are settled as it ends; None: not at all.
+        copies: End | None = End.FORGOTTEN
         try:
             if self._ended_elsewhere(delivery, job):
                 outcome = self._duplicate(job, "elsewhere")
             else:
                 outcome = self._run(delivery, job)
             how = _END_OF.get(outcome, End.SETTLED)
+            # Sent back to wait, its confirmed copy is in the delay queues: the copies
+            # that joined are acked, though the attempt is not remembered as run.
+            copies = End.SETTLED if how is End.FORGOTTEN else how
             return outcome
         except Abandoned:
-            how = End.SETTLED  # settled by timed_out() already: its copies are duplicates
+            # Given up at its hard time limit: the worker settles it once its other jobs
+            # are done, if its delivery is still held, and then ends. The copies that
+            # joined stay unacked until then, and go back to RabbitMQ with the process:
+            # one of them may be all that is left of the job.
+            copies = None
             raise
         finally:
             joined = runs.end(key, how, count + 1)
-            if joined and self.settle is not None:
+            if joined and self.settle is not None and copies is not None:
                 for copy in joined:
-                    self.settle(copy, how)
+                    try:
+                        self.settle(copy, copies)
+                    except Exception:  # the run's own outcome stands
+                        logger.exception("Could not settle a copy of job %s.", job.id)
 
     def _run(self, delivery: Delivery, job: Job) -> Outcome:
         """:meth:`process` from the redelivery count on: the job is due, not cancelled."""

@@ -419,6 +419,14 @@ class Consumer:
         if connection is None or self._channel is None or slots is None:
             raise BrokerUnavailable("Not connected.")
         try:
+            self._poll(connection, slots, seconds)
+        finally:
+            # Once what the turn found is known (the connection or channel dropped):
+            # threads waiting in holds() look again.
+            self._turn()
+
+    def _poll(self, connection: pika.BlockingConnection, slots: Slots, seconds: float) -> None:
+        try:
             self._roam()
             wait = slots.wait(seconds, time.monotonic()) if self._taking else seconds
             connection.process_data_events(time_limit=wait)
@@ -426,8 +434,6 @@ class Consumer:
             self._lost.setdefault(self.generation, LOST_CONNECTION)
             where = self._drop(lost=True)
             raise BrokerUnavailable(f"Lost the connection to RabbitMQ{where}: {exc!r}") from exc
-        finally:
-            self._turn()
         if self._channel is None or self._channel.is_closed:
             self._lost.setdefault(self.generation, LOST_CONNECTION)
             # e.g. RabbitMQ's consumer_timeout closes the channel, not the connection.
@@ -482,9 +488,13 @@ class Consumer:
         return self._still_up(delivery)
 
     def _still_up(self, delivery: Delivery) -> bool:
-        connection = self._connection
+        connection, channel = self._connection, self._channel
         return (
-            connection is not None and connection.is_open and delivery.generation == self.generation
+            connection is not None
+            and connection.is_open
+            and channel is not None
+            and channel.is_open
+            and delivery.generation == self.generation
         )
 
     def settle_threadsafe(self, delivery: Delivery, *, ack: bool, requeue: bool = True) -> bool:
