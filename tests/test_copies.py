@@ -140,7 +140,7 @@ def test_an_idle_connection_the_broker_dropped_is_replaced_before_a_publish(clea
 
     queue = f"{clean.prefix}.test-idle-publisher"
     with pika.BlockingConnection(pika.URLParameters(broker_url)) as connection:
-        connection.channel().queue_declare(queue)
+        connection.channel().queue_declare(queue, durable=True)  # transient ones are deprecated
     send = publisher(get_settings().broker_urls)
     send.publish("", queue, b"one", message_id="one")
     rabbitmqctl("close_all_connections", "test: an idle publisher's connection goes")
