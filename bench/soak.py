@@ -60,11 +60,11 @@ import threading
 import time
 import urllib.parse
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.common import wait_until
 from bench.soak_check import check, load_jsonl, report_text
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -106,15 +106,6 @@ def span(text: str) -> tuple[float, float]:
     if pair[0] < 0 or pair[1] < pair[0]:
         raise argparse.ArgumentTypeError(f"{text!r}: a range goes from low to high, from 0")
     return pair
-
-
-def wait_until(predicate: Callable[[], object], timeout: float, interval: float = 0.1) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return bool(predicate())
 
 
 # --------------------------------------------------------------------- the schedule
