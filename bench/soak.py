@@ -83,7 +83,7 @@ START_WAIT_S = 60.0
 CLUSTER = ROOT / "scripts" / "local-cluster.sh"
 DJANGO = (sys.executable, "-m", "django")
 #: The PREFIX's streams, whose message counts are records, not jobs.
-BOOKKEEPING = ("results", "cancels", "topologies")
+BOOKKEEPING = ("results", "cancels", "topologies", "ledger", "keeper", "up")
 CLUSTER_NODES = ("rabbit-a@localhost", "rabbit-b@localhost", "rabbit-c@localhost")
 
 
@@ -530,8 +530,9 @@ def _delete_topology(env: dict[str, str]) -> None:
 
 def _leftovers(broker: Broker, prefix: str) -> dict[str, int]:
     """Messages still in the PREFIX's job queues at the end, per queue: a job that never
-    ran may wait there, stuck rather than gone. The streams (results, cancels,
-    topologies) hold records, not jobs, and are left out."""
+    ran may wait there, stuck rather than gone. The bookkeeping (results, cancels,
+    topologies, the ledger, the keeper's lease and its "up" marker) holds records, not
+    jobs, and is left out."""
     try:
         listed = broker.ctl("-q", "list_queues", "name", "messages", "--no-table-headers")
     except (RuntimeError, subprocess.SubprocessError) as exc:

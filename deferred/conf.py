@@ -198,6 +198,11 @@ DEFAULTS: dict[str, Any] = {
     # the PREFIX.results stream, which deferred.result(id) and the django.tasks
     # backend's get_result() read. False: nothing is written, at no cost.
     "RESULTS": True,
+    # The ledger (deferred.ledger): the broker copies every job published into
+    # the PREFIX.ledger stream, and after a broker restart one worker (the
+    # keeper) publishes again the jobs that were moving between two delay
+    # queues when it went down. False: no ledger, and such a job can be lost.
+    "LEDGER": True,
     # How long the results stream keeps them (timedelta or seconds, 1 minute
     # to 10 years): RabbitMQ drops older ones by whole segments. Declared with
     # the stream: a change needs the stream re-made (see the results guide).
@@ -315,6 +320,8 @@ class DeferredSettings:
     time_limit_grace_s: float = 30.0
     #: Whether workers write results (``RESULTS``).
     results: bool = True
+    #: Whether every job is copied into the ledger stream, and restarts repaired (``LEDGER``).
+    ledger: bool = True
     #: How long the results stream keeps them (``RESULT_TTL``).
     result_ttl_ms: int = RESULT_TTL_MS
     #: The largest return value kept, in bytes of JSON (``RESULT_MAX_BYTES``).
@@ -438,6 +445,13 @@ def _metrics_allow(
 
 #: RESULT_MAX_BYTES' ceiling: a result is one record among many in a stream message.
 MAX_RESULT_BYTES = 1024 * 1024
+
+
+def _flag(name: str, value: Any) -> bool:
+    """A True/False setting, checked."""
+    if not isinstance(value, bool):
+        raise ImproperlyConfigured(f"DEFERRED[{name!r}] must be True or False, got {value!r}.")
+    return value
 
 
 def _results(enabled: Any, ttl: Any, max_bytes: Any) -> tuple[bool, int, int]:
@@ -800,6 +814,7 @@ def _build(raw: Any) -> DeferredSettings:
         time_limit_grace_s=time_limit_grace_s,
         priorities=priorities,
         results=results,
+        ledger=_flag("LEDGER", values["LEDGER"]),
         result_ttl_ms=result_ttl_ms,
         result_max_bytes=result_max_bytes,
         result_cache=result_cache,

@@ -66,7 +66,7 @@ def for_role(role: str, prefix: str) -> Permissions:
     ingest = rf"{p}\.{topology}\.ingest"
     everything = (
         rf"{p}\.({topology}\.(ingest|after\.L\d+|L\d+\.d\d+)"
-        r"|(ready|hold)\.(p\d\.)?[A-Za-z0-9_-]+|failed|topologies|scheduler|schedules|cancels|results)"
+        r"|(ready|hold)\.(p\d\.)?[A-Za-z0-9_-]+|failed|topologies|scheduler|schedules|cancels|results|ledger|keeper|up)"
     )
     default = re.escape(DEFAULT_EXCHANGE)
     staging = rf"{p}\.transfer(\.out)?|amq\.gen-[A-Za-z0-9_-]+"

@@ -465,7 +465,16 @@ class Pipeline:
                 "job=%s could not be looked up in the results (%s); running it.", job.id, exc
             )
             return False
-        return attempt_ended(found.state, found.outcome, found.attempts, job.attempt)
+        if attempt_ended(found.state, found.outcome, found.attempts, job.attempt):
+            return True
+        # A second copy (of a retried publish, or published again after a broker
+        # restart) whose attempt started from the other copy: the broker keeps that
+        # one until it is acked, so this one is not needed, even if the run died.
+        return (
+            COPY_HEADER in delivery.headers
+            and not delivery.redelivered
+            and found.attempts >= job.attempt
+        )
 
     def _copy_wait(self, delivery: Delivery, job: Job) -> float:
         """How much longer to hold a second copy of a publish (:data:`COPY_HEADER`) before

@@ -61,6 +61,7 @@ def prefix_removal(plan: Plan, records: Iterable[Mapping[str, Any]]) -> Removal:
         plan.schedules_queue.name,
         plan.cancels_queue.name,
         plan.results_queue.name,
+        *(q.name for q in plan.keeping_queues),
     )
     return Removal(
         f"PREFIX {plan.prefix!r}", _once(queues), _once(exchanges), bookkeeping=bookkeeping

@@ -318,6 +318,34 @@ def _read(
     return found, end is not ReadEnd.OUT_OF_TIME
 
 
+def started_attempts(settings: DeferredSettings, since: datetime, timeout: float) -> dict[str, int]:
+    """Every job with a record from ``since`` on, and the highest attempt its records
+    name: one read of the stream for many jobs (the keeper's check after a restart).
+
+    ``BrokerUnavailable`` if the read cannot reach the end within ``timeout``:
+    a partial answer would make jobs look as if they never started.
+    """
+    keys = settings.signing_keys if settings.signing else None
+    seen: dict[str, int] = {}
+
+    def on_message(body: bytes, headers: dict[str, Any]) -> bool:
+        for record in decode(body, headers, keys):
+            job_id, attempt = record.get("id"), record.get("a")
+            if isinstance(job_id, str):
+                a = attempt if isinstance(attempt, int) else 1
+                seen[job_id] = max(seen.get(job_id, 0), a)
+        return False
+
+    end = _reader(settings).read(
+        since, on_message, marker_body=encode_marker, is_marker=marker_of, timeout=timeout
+    )
+    if end is ReadEnd.OUT_OF_TIME:
+        raise broker.BrokerUnavailable(
+            f"Reading the results from {since.isoformat()} took more than {timeout:g} s."
+        )
+    return seen
+
+
 def _reader(settings: DeferredSettings) -> broker.ResultReader:
     plan = plan_topology(settings)
     return _cached_reader(

@@ -121,6 +121,14 @@ class Plan:
     cancels_queue: Queue
     #: Jobs' starts and outcomes (deferred.results): a stream read by timestamp.
     results_queue: Queue
+    #: Every job as it was published (deferred.ledger): a stream the broker fills
+    #: from the ingest exchanges, read after a broker restart to repair losses.
+    ledger_queue: Queue | None = None
+    #: The keeper's lease (deferred.keeper): a single-active-consumer queue.
+    keeper_queue: Queue | None = None
+    #: One non-persistent message while the broker runs: its absence tells the
+    #: keeper that the broker restarted (deferred.keeper).
+    up_queue: Queue | None = None
     #: The lowest levels left to the workers (``HOLD_WINDOW``): not declared.
     hold_levels: int = 0
     #: The classic ready and hold queues' ``x-max-priority`` (0: FIFO queues).
@@ -178,12 +186,19 @@ class Plan:
             self.schedules_queue,
             self.cancels_queue,
             self.results_queue,
+            *self.keeping_queues,
         )
 
     @property
+    def keeping_queues(self) -> tuple[Queue, ...]:
+        """The ledger, the keeper's lease and the up marker (none with ``LEDGER`` off)."""
+        return tuple(q for q in (self.ledger_queue, self.keeper_queue, self.up_queue) if q)
+
+    @property
     def streams(self) -> tuple[Queue, ...]:
-        """The queues that are streams: the cancels and the results."""
-        return (self.cancels_queue, self.results_queue)
+        """The queues that are streams: the cancels, the results and the ledger."""
+        ledger = (self.ledger_queue,) if self.ledger_queue else ()
+        return (self.cancels_queue, self.results_queue, *ledger)
 
     @property
     def shared_bindings(self) -> tuple[Binding, ...]:
@@ -285,6 +300,7 @@ def widest_plan(
     hold_levels: int = 0,
     max_priority: int = 0,
     delay_queue_type: str | None = None,
+    ledger: bool = True,
 ) -> Plan:
     """Every queue a topology of this shape may have, whatever MAX_DELAY it was declared with.
 
@@ -464,6 +480,8 @@ class TopologySettings(Protocol):
     def result_ttl_ms(self) -> int: ...
     @property
     def delay_queue_type(self) -> str: ...
+    @property
+    def ledger(self) -> bool: ...
     def __hash__(self) -> int: ...
 
 
@@ -485,6 +503,7 @@ def plan_topology(settings: TopologySettings) -> Plan:
         max_priority=MAX_LEVEL if settings.priorities else 0,
         result_ttl_ms=settings.result_ttl_ms,
         delay_queue_type=settings.delay_queue_type,
+        ledger=settings.ledger,
     )
 
 
@@ -509,6 +528,13 @@ def hold_levels_for(window_ms: int, radix: int, resolution_ms: int, levels: int)
 CANCEL_ROUTING_KEY = "cancel"
 #: The routing key of result records and the readers' markers, on the ingest exchange.
 RESULT_ROUTING_KEY = "result"
+#: The ledger's binding from the ingest exchange: two words or more, which every
+#: job's routing key has (digits, then the target queue) and no cancel or result
+#: record's has.
+LEDGER_PATTERN = "*.*.#"
+#: How long the ledger stream keeps a record. The keeper writes a pending job's
+#: record again before it gets this old (deferred.keeper).
+LEDGER_KEEP_MS = 7 * 24 * 3600 * 1000
 
 
 def build_plan(
@@ -529,6 +555,7 @@ def build_plan(
     max_priority: int = 0,
     result_ttl_ms: int = RESULT_TTL_MS,
     delay_queue_type: str | None = None,
+    ledger: bool = True,
 ) -> Plan:
     """Compute a topology from its defining values.
 
@@ -643,6 +670,10 @@ def build_plan(
     bindings.append(Binding(ingest, f"{prefix}.cancels", CANCEL_ROUTING_KEY))
     # Results the same way: a web process reading one writes a marker there.
     bindings.append(Binding(ingest, f"{prefix}.results", RESULT_ROUTING_KEY))
+    # Every job, as published, into the ledger too: the broker makes the copy
+    # (one publish, one confirm for both queues).
+    if ledger:
+        bindings.append(Binding(ingest, f"{prefix}.ledger", LEDGER_PATTERN))
     # No digit left: to the ready queue named by the last word.
     ready_args = _ready_queue_arguments(
         queue_type, group_size, failed, delivery_limit, consumer_timeout_ms
@@ -699,4 +730,19 @@ def build_plan(
         results_queue=Queue(
             f"{prefix}.results", _stream_arguments(queue_type, group_size, result_ttl_ms)
         ),
+        ledger_queue=(
+            Queue(f"{prefix}.ledger", _stream_arguments(queue_type, group_size, LEDGER_KEEP_MS))
+            if ledger
+            else None
+        ),
+        keeper_queue=(
+            Queue(
+                f"{prefix}.keeper",
+                {**_kept_queue_arguments(queue_type, group_size), "x-single-active-consumer": True},
+            )
+            if ledger
+            else None
+        ),
+        # Classic whatever QUEUE_TYPE: its one message must not survive a restart.
+        up_queue=Queue(f"{prefix}.up", {"x-queue-type": "classic"}) if ledger else None,
     )

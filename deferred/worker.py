@@ -66,6 +66,7 @@ from deferred.exits import WorkerExit
 from deferred.health import HealthFile
 from deferred.holding import Held, Holder
 from deferred.jobs import Job
+from deferred.keeper import Keeper
 from deferred.limits import Watch, Watchdog
 from deferred.metrics import WorkerMetrics
 from deferred.outcomes import Observers, Outcome
@@ -176,6 +177,8 @@ class Worker:
         self.holder = Holder(self._release, self._hand_back_late, stalled=self._stalled)
         #: When a pool thread last started a message (time.monotonic()).
         self._last_start = 0.0
+        #: Competes to keep the ledger and repair broker restarts (``LEDGER``).
+        self.keeper = Keeper(self.settings) if self.settings.ledger else None
         #: Competes to schedule the recurring jobs (if there are any and ``schedules``).
         self.scheduler = (
             Scheduler(self.settings, self.worker_id)
@@ -230,6 +233,8 @@ class Worker:
             watch.start()
         if self.scheduler is not None:
             self.scheduler.start()
+        if self.keeper is not None:
+            self.keeper.start()
         wait_s = RECONNECT_FIRST_S
         try:
             while not self._stopping.is_set():
@@ -280,6 +285,8 @@ class Worker:
                 watch.stop()
             if self.scheduler is not None:
                 self.scheduler.stop()
+            if self.keeper is not None:
+                self.keeper.stop()
             # Every thread but one given up at a hard time limit: that one ends with the process.
             # A given-up job not settled went back to RabbitMQ with a lost connection: it
             # may run elsewhere now, so the stuck thread must end at once, and with it the

@@ -66,6 +66,10 @@ def route(plan: Plan, delay_ms: int, queue: str = "default") -> tuple[list[int],
                         exchanges.append(b.destination)
                     else:
                         destinations.add(b.destination)
+        if plan.ledger_queue is not None and not waited:
+            # The ledger gets a copy of every job as it comes in, and only then.
+            assert plan.ledger_queue.name in destinations, f"{key} not in the ledger"
+            destinations.discard(plan.ledger_queue.name)
         assert len(destinations) == 1, f"{key} routed to {destinations}"
         (dest,) = destinations
         if dest in ready:
@@ -257,9 +261,11 @@ def test_every_queue_names_its_type_and_quorum_ones_their_delivery_limit(queue_t
     )
     for queue in plan.all_queues:
         expected = "stream" if queue in plan.streams else queue_type
+        if queue == plan.up_queue:
+            expected = "classic"  # its transient message must not outlive a restart
         assert queue.arguments["x-queue-type"] == expected, queue.name
         limit = queue.arguments.get("x-delivery-limit")
-        if queue_type == "classic" or queue in plan.streams:
+        if queue_type == "classic" or queue in plan.streams or queue == plan.up_queue:
             assert limit is None, queue.name  # classic queues and streams refuse one
         elif queue.name in (plan.ready_queues["default"].name, plan.hold_queues["default"].name):
             assert limit == 7

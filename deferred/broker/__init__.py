@@ -13,7 +13,8 @@ know pika. One module per role, each importing only those before it:
 - ``consumer``: the worker's consuming connection;
 - ``streams``: reading and following a stream (the cancels);
 - ``results``: writing result records, and reading the stream by timestamp;
-- ``lease``: leadership among workers (the scheduler).
+- ``lease``: leadership among workers (the scheduler);
+- ``ledger``: the keeper's lease, the broker's "up" marker, reading the ledger.
 """
 
 from deferred.broker.admin import (
@@ -54,6 +55,7 @@ from deferred.broker.errors import (
     TopologyNotDeclared,
 )
 from deferred.broker.lease import Lease
+from deferred.broker.ledger import KeeperLink, read_stream
 from deferred.broker.publisher import (
     COPY_HEADER,
     Outgoing,
@@ -77,6 +79,7 @@ __all__ = [
     "DeclareReport",
     "Delivery",
     "Failover",  # the tests check the failover order
+    "KeeperLink",
     "Lease",
     "MessageTooLarge",
     "Node",
@@ -104,6 +107,7 @@ __all__ = [
     "parameters",
     "peek",
     "publisher",
+    "read_stream",
     "safe_url",
     "send_record",
     "server_version",

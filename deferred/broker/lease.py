@@ -42,8 +42,18 @@ class Lease:
     queue, so a leader that lost its lease can no longer write.
     """
 
-    def __init__(self, urls: Urls, queue: str, record_queue: str, *, heartbeat_s: int) -> None:
+    def __init__(
+        self,
+        urls: Urls,
+        queue: str,
+        record_queue: str,
+        *,
+        heartbeat_s: int,
+        role: str = "scheduler",
+    ) -> None:
         self.urls = as_urls(urls)
+        #: Who holds the lease, for messages (``scheduler``, ``keeper``).
+        self.role = role
         self.queue = queue
         self.record_queue = record_queue
         self.heartbeat_s = heartbeat_s
@@ -61,7 +71,7 @@ class Lease:
         """Join the queue's consumers; ``BrokerUnavailable`` / ``TopologyNotDeclared``."""
         self.close()
         connection, node = open_connection(self.urls, heartbeat=self.heartbeat_s)
-        with setting_up(connection, node, "join the scheduler"):
+        with setting_up(connection, node, f"join the {self.role}s"):
             channel = connection.channel()
             if declared_queue(channel, self.queue, node).method.message_count == 0:
                 channel.basic_publish(
@@ -84,12 +94,12 @@ class Lease:
             yield
         except (*CONNECTION_ERRORS, px.AMQPError) as exc:
             self._lost()
-            raise BrokerUnavailable(f"Lost the scheduler's connection: {exc!r}") from exc
+            raise BrokerUnavailable(f"Lost the {self.role}'s connection: {exc!r}") from exc
 
     def poll(self, seconds: float) -> bool:
         """Serve the connection for ``seconds``; whether this worker leads now."""
         if self._connection is None:
-            raise BrokerUnavailable("The scheduler's connection is not open.")
+            raise BrokerUnavailable(f"The {self.role}'s connection is not open.")
         with self._guard():
             self._connection.process_data_events(time_limit=seconds)
         return self._held

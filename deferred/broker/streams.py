@@ -55,8 +55,12 @@ class StreamFollower:
         on_message: Callable[[int, bytes, dict[str, Any]], None],
         *,
         prefetch: int = 1000,
+        keys: bool = False,
     ) -> None:
         self.urls = as_urls(urls)
+        #: Whether each message's routing key, exchange and priority are handed over
+        #: among its headers (``x-routing-key``, ``x-exchange``, ``x-priority``).
+        self.keys = keys
         self.queue = queue
         self.on_message = on_message
         self.prefetch = prefetch
@@ -105,6 +109,10 @@ class StreamFollower:
         self._unacked += 1
         self._last_tag = method.delivery_tag
         headers = dict(props.headers or {})
+        if self.keys:
+            headers["x-routing-key"] = method.routing_key
+            headers["x-exchange"] = method.exchange
+            headers["x-priority"] = props.priority
         self.on_message(int(headers.get("x-stream-offset", -1)), body, headers)
 
     @contextmanager

@@ -160,6 +160,7 @@ SETTING_TOPICS: dict[str, tuple[str, ...]] = {
         "RESULT_CACHE_TIMEOUT",
     ),
     "Clusters": ("STUCK_AFTER", "REPAIR_STUCK"),
+    "Broker restarts": ("LEDGER",),
     "Security": (
         "SIGNING",
         "SIGNING_KEY",

@@ -1,0 +1,413 @@
+"""The keeper: after a broker restart, one worker publishes again what it may have lost.
+
+Every worker runs a :class:`Keeper` thread; the one holding the lease (a
+token in ``PREFIX.keeper``, as for the scheduler) keeps the ledger
+(:mod:`deferred.ledger`):
+
+- **Restarts.** ``PREFIX.up`` holds one transient message while the broker
+  runs; a restart drops it. The keeper looks each time it (re)connects: a
+  missing message means the broker restarted. The window of the restart runs
+  from when the keeper lost its connection (or, for a keeper that did not see
+  the broker go, its last "up at" marker in the ledger) to a few seconds after
+  it found the message missing. Every job with a hop in that window
+  (:func:`deferred.ledger.to_repair`) may have been dropped:
+
+  - one due within :data:`NEAR_MS` is checked once it is due (plus
+    :data:`CHECK_AFTER_MS`, for the backlog the restart left): one read of the
+    results stream tells which of them started, and each that did not is
+    published again, due now. A restart moves thousands of jobs and loses a
+    handful; checking them in one read, rather than each copy on its own in a
+    worker, is what keeps a restart from flooding the workers with copies.
+  - one due later is published again at once, as a copy
+    (``x-deferred-copy: restart``) due when the job is, which the worker that
+    takes it runs only if no worker started that attempt
+    (:mod:`deferred.pipeline`).
+- **"Up at" markers**, every :data:`ALIVE_EVERY_S`, in the ledger: where a
+  restart window starts when no keeper saw the broker go.
+- **Carrying records forward**, every :data:`CARRY_EVERY_S`: the record of a
+  job still pending is written again before the stream's retention drops it.
+
+A keeper killed during a repair leaves it to the next one only if that one
+sees the restart too, which it does: the "up" message is put back after the
+repair, not before. Two repairs of one restart (a keeper that lost its lease
+half-way) publish copies twice; each runs at most once.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from deferred import broker, ledger
+from deferred.broker.ledger import EXCHANGE, PRIORITY, ROUTING_KEY
+from deferred.conf import DeferredSettings
+from deferred.topology import LEDGER_KEEP_MS, Plan, plan_topology
+
+logger = logging.getLogger("deferred.keeper")
+
+#: How often the lease holder writes its "up at" marker.
+ALIVE_EVERY_S = 5.0
+#: How often it carries the records of pending jobs forward.
+CARRY_EVERY_S = 3600.0
+#: A restart window starts this long before the connection was lost: the broker
+#: may stop its queues a moment before it closes the connections.
+BEFORE_MS = 5_000
+#: ... and ends this long after the keeper found the restart: RabbitMQ takes
+#: connections once its queues are recovered, and this covers the clocks of
+#: the hosts disagreeing a little.
+AFTER_MS = 5_000
+#: The longest wait between two attempts to reconnect: the restart window ends
+#: when the keeper is back, so it does not wait long.
+RECONNECT_MAX_S = 2.0
+#: A job of a repair due sooner than this is checked against the results once it
+#: is due, and published again only if it never started; one due later is published
+#: again at once, and its copy is checked by the worker that takes it.
+NEAR_MS = 60_000
+#: How long after the last of those jobs is due the results are read: time for a job
+#: that survived to start, through the backlog of what came due while the broker was down.
+CHECK_AFTER_MS = 10_000
+#: How long reading the whole ledger may take.
+READ_TIMEOUT_S = 600.0
+#: How long a stopping worker waits for the keeper thread (a daemon: it ends with
+#: the process anyway).
+STOP_WAIT_S = 2.0
+#: The lease connection's heartbeat: a keeper that stops answering loses the lease.
+HEARTBEAT_S = 10
+#: The header that marks a copy the keeper published, and its value.
+RESTART_COPY = "restart"
+#: When a carried record was written (ms).
+WRITTEN_HEADER = "x-deferred-written"
+#: Headers of a ledger record not to publish again: the stream's own, what
+#: :func:`deferred.broker.ledger.read_stream` adds, and a keyed job's ``BCC``
+#: (the cancels stream already has that record).
+_NOT_COPIED = (
+    "x-stream-offset",
+    "BCC",
+    ROUTING_KEY,
+    EXCHANGE,
+    PRIORITY,
+    ledger.KEY_HEADER,
+    ledger.EXCHANGE_HEADER,
+    WRITTEN_HEADER,
+)
+
+
+def entry_of(offset: int, body: bytes, headers: dict[str, Any]) -> ledger.Entry | None:
+    """The ledger entry a stream message is, or ``None`` (a marker, or not a job)."""
+    from deferred.jobs import Job
+
+    routing_key = headers.get(ledger.KEY_HEADER) or headers.get(ROUTING_KEY)
+    exchange = headers.get(ledger.EXCHANGE_HEADER) or headers.get(EXCHANGE)
+    if not isinstance(routing_key, str) or not isinstance(exchange, str):
+        return None
+    try:
+        job = Job.decode(body)
+    except Exception:  # noqa: BLE001 - whatever is not a job is not repaired
+        return None
+    written = headers.get(WRITTEN_HEADER)
+    priority = headers.get(PRIORITY)
+    return ledger.Entry(
+        job_id=job.id,
+        due_ms=_ms(job.due),
+        routing_key=routing_key,
+        exchange=exchange,
+        body=body,
+        headers={k: v for k, v in headers.items() if k not in _NOT_COPIED},
+        priority=priority if isinstance(priority, int) else None,
+        # A record as published was written when its job was made (or retried
+        # later, which only makes it carried sooner).
+        written_ms=written if isinstance(written, int) else _ms(job.created),
+        offset=offset,
+    )
+
+
+def _ms(moment: datetime) -> int:
+    return math.floor(moment.timestamp() * 1000)
+
+
+class Stopping(Exception):
+    """The worker stops: a long read or repair ends where it is."""
+
+
+@dataclass
+class Repair:
+    """A restart's repair under way: the jobs due soon, checked at ``check_at_ms``."""
+
+    since_ms: int
+    until_ms: int
+    near: list[ledger.Entry]
+    check_at_ms: int
+    #: Copies published when it began (the jobs due later).
+    published: int = 0
+
+
+class Keeper:
+    """The worker's keeper thread: competes for the lease, keeps the ledger while it leads."""
+
+    def __init__(
+        self,
+        settings: DeferredSettings,
+        *,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.settings = settings
+        self.plan: Plan = plan_topology(settings)
+        assert self.plan.ledger_queue and self.plan.keeper_queue and self.plan.up_queue
+        self.link = broker.KeeperLink(
+            settings.broker_urls,
+            self.plan.keeper_queue.name,
+            self.plan.ledger_queue.name,
+            self.plan.up_queue.name,
+            heartbeat_s=HEARTBEAT_S,
+        )
+        self.clock = clock
+        self.leading = threading.Event()
+        #: Set after each repair (tests and the bench wait on it).
+        self.repaired = threading.Event()
+        #: How many copies the last repair published.
+        self.last_repair = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        #: When this keeper's lease connection was lost (ms), if it was.
+        self._lost_ms: int | None = None
+        self._checked = False
+        #: Repairs begun and not yet finished (their jobs due soon are checked later).
+        self._repairs: list[Repair] = []
+        #: Whether the "up" message is to be put back once they are finished.
+        self._up_missing = False
+        #: How long after the last of a repair's jobs due soon the results are read.
+        self.check_after_ms = CHECK_AFTER_MS
+        self._next_alive = 0.0
+        self._next_carry = 0.0
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="deferred-keeper", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """End the thread; a repair under way ends with it, for the next keeper to do
+        again (the "up" message is put back only once a repair is done)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=STOP_WAIT_S)
+
+    def _now_ms(self) -> int:
+        return int(self.clock() * 1000)
+
+    def _run(self) -> None:
+        wait_s = 0.5
+        while not self._stop.is_set():
+            try:
+                self.link.connect()
+                wait_s = 0.5
+                self._checked = False
+                while not self._stop.is_set():
+                    if self.link.poll(0.5):
+                        if not self.leading.is_set():
+                            logger.info("This worker now keeps the ledger.")
+                            self.leading.set()
+                        self.tick()
+            except Stopping:
+                break
+            except broker.BrokerError as exc:
+                if self._lost_ms is None and self.link.node is not None:
+                    self._lost_ms = self._now_ms()
+                if isinstance(exc, broker.TopologyNotDeclared):
+                    logger.error("The ledger cannot be kept: %s", exc)
+                elif self.leading.is_set():
+                    logger.info("This worker no longer keeps the ledger: %s", exc)
+                self.leading.clear()
+                self.link.close()
+                self._stop.wait(wait_s)
+                wait_s = min(wait_s * 2, RECONNECT_MAX_S)
+            except Exception:  # the keeper must never take the worker down
+                logger.exception("The keeper failed; it starts again.")
+                self.leading.clear()
+                self.link.close()
+                self._stop.wait(wait_s)
+        self.link.close()
+        self.leading.clear()
+
+    def tick(self) -> None:
+        """One turn of the lease holder: the restart check once per connection, the
+        repairs whose time has come, the marker and the carrying when due."""
+        if not self._checked:
+            if self.link.up_missing():
+                self._up_missing = True
+                self._repairs.append(
+                    self.begin_repair(self._window_start(), self._now_ms() + AFTER_MS)
+                )
+            self._checked = True
+            self._lost_ms = None
+        for repair in [r for r in self._repairs if self._now_ms() >= r.check_at_ms]:
+            self.finish_repair(repair)
+            self._repairs.remove(repair)
+        if self._up_missing and not self._repairs:
+            # Only now: a keeper lost before this finds it missing and repairs again.
+            self.link.mark_up()
+            self._up_missing = False
+        now = time.monotonic()
+        if now >= self._next_alive:
+            headers: dict[str, Any] = {ledger.ALIVE_HEADER: self._now_ms()}
+            if self._repairs:
+                # A keeper that takes over before these are done starts from here.
+                headers[ledger.UNSETTLED_HEADER] = min(r.since_ms for r in self._repairs)
+            self.link.write(b"", headers)
+            self._next_alive = now + ALIVE_EVERY_S
+        if now >= self._next_carry:
+            if self._next_carry:
+                self.carry()
+            self._next_carry = now + CARRY_EVERY_S
+
+    def _window_start(self) -> int | None:
+        """When the restart window starts: this keeper's lost connection, or
+        ``None`` to take the last "up at" marker from the ledger."""
+        return None if self._lost_ms is None else self._lost_ms - BEFORE_MS
+
+    def read(self, *, token: str) -> tuple[list[ledger.Entry], list[ledger.Marker]]:
+        """Every job record and "up at" marker in the ledger, up to the marker ``token``
+        this keeper just wrote."""
+        assert self.plan.ledger_queue is not None
+        entries: list[ledger.Entry] = []
+        markers: list[ledger.Marker] = []
+        now_ms = self._now_ms()
+
+        def take(offset: int, body: bytes, headers: dict[str, Any]) -> bool:
+            if self._stop.is_set():
+                raise Stopping
+            alive = headers.get(ledger.ALIVE_HEADER)
+            if isinstance(alive, int):
+                if headers.get("x-deferred-token") == token:
+                    return True
+                unsettled = headers.get(ledger.UNSETTLED_HEADER)
+                markers.append(
+                    ledger.Marker(alive, unsettled if isinstance(unsettled, int) else None)
+                )
+                return False
+            entry = entry_of(offset, body, headers)
+            if entry is not None:
+                entries.append(entry)
+            return False
+
+        self.link.write(b"", {ledger.ALIVE_HEADER: now_ms, "x-deferred-token": token})
+        broker.read_stream(
+            self.settings.broker_urls, self.plan.ledger_queue.name, take, timeout=READ_TIMEOUT_S
+        )
+        return entries, markers
+
+    def repair(self, since_ms: int | None, until_ms: int) -> int:
+        """:meth:`begin_repair`, then :meth:`finish_repair` once it may: the whole repair
+        in one call (a test's, or a command's); the number of copies published."""
+        repair = self.begin_repair(since_ms, until_ms)
+        while self._now_ms() < repair.check_at_ms and not self._stop.is_set():
+            time.sleep(0.1)
+        return repair.published + self.finish_repair(repair)
+
+    def begin_repair(self, since_ms: int | None, until_ms: int) -> Repair:
+        """Find the jobs with a hop between ``since_ms`` (``None``: the last "up at"
+        marker) and ``until_ms``: publish a copy of each one due later than
+        :data:`NEAR_MS` at once, and keep the others to check in :meth:`finish_repair`."""
+        entries, markers = self.read(token=uuid.uuid4().hex)
+        if since_ms is None:
+            since_ms = ledger.window_start(markers, self._now_ms(), BEFORE_MS)
+        found = [e for e in ledger.to_repair(entries, since_ms, until_ms) if self._copyable(e)]
+        now_ms = self._now_ms()
+        near = [e for e in found if e.due_ms <= now_ms + NEAR_MS]
+        far = [e for e in found if e.due_ms > now_ms + NEAR_MS]
+        for entry in far:
+            if self._stop.is_set():
+                raise Stopping
+            self._publish_copy(entry, entry.due_ms - now_ms)
+        check_at = max((e.due_ms for e in near), default=now_ms) + self.check_after_ms
+        logger.warning(
+            "The broker restarted (between %s and %s): %d job%s may have been moving between "
+            "delay queues then. %d due later than %d s published again, to run once; the %d "
+            "due sooner are checked against the results at %s.",
+            _iso(since_ms) if since_ms > 0 else "the ledger's start",
+            _iso(until_ms),
+            len(found),
+            "" if len(found) == 1 else "s",
+            len(far),
+            NEAR_MS // 1000,
+            len(near),
+            _iso(check_at),
+        )
+        return Repair(since_ms, until_ms, near, check_at, published=len(far))
+
+    def finish_repair(self, repair: Repair) -> int:
+        """Publish again, due now, each job of ``repair.near`` whose attempt no worker
+        started: it was lost. One read of the results stream for all of them."""
+        from deferred.jobs import Job
+        from deferred.results import started_attempts
+
+        if not repair.near:
+            copies = 0
+        else:
+            earliest = min(e.due_ms for e in repair.near) - BEFORE_MS
+            started = started_attempts(
+                self.settings,
+                datetime.fromtimestamp(earliest / 1000, UTC),
+                timeout=READ_TIMEOUT_S,
+            )
+            lost = [e for e in repair.near if started.get(e.job_id, 0) < Job.decode(e.body).attempt]
+            for entry in lost:
+                self._publish_copy(entry, 0)
+            copies = len(lost)
+        if repair.near:
+            logger.warning(
+                "Of the %d job%s due soon after the broker restart, %d never started: "
+                "published again.",
+                len(repair.near),
+                "" if len(repair.near) == 1 else "s",
+                copies,
+            )
+        self.last_repair = repair.published + copies
+        self.repaired.set()
+        return copies
+
+    def _publish_copy(self, entry: ledger.Entry, wait_ms: int) -> None:
+        broker.publisher(self.settings.broker_urls, self.settings.publish_timeout_s).publish(
+            self.plan.ingest_exchange,
+            self.plan.routing_key(max(0, wait_ms), entry.queue),
+            entry.body,
+            message_id=entry.job_id,
+            headers={**entry.headers, broker.COPY_HEADER: RESTART_COPY},
+            priority=entry.priority,
+        )
+
+    def _copyable(self, entry: ledger.Entry) -> bool:
+        """Whether a copy of ``entry`` would run only if the job did not: a worker
+        tells by the job's results, so not for a job that keeps none (``RESULTS``
+        off, ``@task(result=False)``), which would run twice after every restart."""
+        from deferred.jobs import Job
+        from deferred.results import keeps_result
+
+        return self.settings.results and keeps_result(Job.decode(entry.body))
+
+    def carry(self) -> int:
+        """Write again the records of pending jobs the stream would soon drop."""
+        entries, _ = self.read(token=uuid.uuid4().hex)
+        carried = 0
+        for entry in ledger.to_carry(entries, self._now_ms(), LEDGER_KEEP_MS):
+            headers = {
+                **entry.headers,
+                ledger.KEY_HEADER: entry.routing_key,
+                ledger.EXCHANGE_HEADER: entry.exchange,
+                WRITTEN_HEADER: self._now_ms(),
+            }
+            self.link.write(entry.body, headers, priority=entry.priority, message_id=entry.job_id)
+            carried += 1
+        if carried:
+            logger.info("Carried %d pending job records forward in the ledger.", carried)
+        return carried
+
+
+def _iso(ms: int) -> str:
+    return datetime.fromtimestamp(ms / 1000, UTC).isoformat(timespec="milliseconds")
