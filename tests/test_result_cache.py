@@ -148,7 +148,10 @@ def test_a_forged_entry_is_ignored(cached, run_worker, records):
     assert deferred.result(job_id).state == "pending"
 
 
-def test_a_record_the_stream_did_not_take_is_not_cached(cached, run_worker, records):
+def test_a_record_the_stream_did_not_take_is_not_cached(cached, run_worker, records, monkeypatch):
+    from deferred.broker import results as broker_results
+
+    monkeypatch.setattr(broker_results, "RETRY_FOR_S", 0.5)
     worker = run_worker(concurrency=1)
     assert worker.results is not None
     # The results stream's broker is unreachable for this worker's writer

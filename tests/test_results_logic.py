@@ -348,14 +348,48 @@ def test_the_writer_survives_a_batch_that_raises_and_gives_it_up(monkeypatch, ca
         writer.stop()
 
 
-def test_the_writer_gives_up_a_batch_the_broker_refuses_and_goes_on(monkeypatch):
+def test_the_writer_waits_for_a_broker_that_went_away_and_sends_each_message_once(monkeypatch):
     from deferred.broker import BrokerUnavailable
+    from deferred.broker import results as broker_results
 
+    class Flaky(_Sender):
+        """Refuses the first ``fails`` publishes, as a restarting broker does."""
+
+        def __init__(self, fails: int) -> None:
+            super().__init__()
+            self.fails = fails
+
+        def publish(self, exchange: str, routing_key: str, body: bytes, **kwargs) -> None:
+            if self.fails:
+                self.fails -= 1
+                raise BrokerUnavailable("restarting")
+            super().publish(exchange, routing_key, body, **kwargs)
+
+    monkeypatch.setattr(broker_results, "RETRY_FIRST_S", 0.05)
+    sender = Flaky(fails=3)
+    writer = _writer(monkeypatch, sender)
+    writer.start()
+    try:
+        written = writer.write("one")
+        assert written.wait(5) and writer.lost == 0
+        assert sender.sent == [b'["one"]']
+    finally:
+        writer.stop()
+
+
+def test_the_writer_gives_up_a_batch_the_broker_refuses_for_too_long_and_goes_on(monkeypatch):
+    from deferred.broker import BrokerUnavailable
+    from deferred.broker import results as broker_results
+
+    monkeypatch.setattr(broker_results, "RETRY_FOR_S", 0.3)
+    monkeypatch.setattr(broker_results, "RETRY_FIRST_S", 0.05)
     sender = _Sender(BrokerUnavailable("down"))
     writer = _writer(monkeypatch, sender)
     writer.start()
     try:
+        started = time.monotonic()
         assert not writer.write("one").wait(5) and writer.lost == 1
+        assert time.monotonic() - started >= 0.1  # it tried for a while first
         sender.error = None
         assert writer.write("two").wait(5)
     finally:

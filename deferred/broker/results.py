@@ -95,6 +95,11 @@ READ_CREDIT = 10
 #: How long past its own deadline a read's connection is torn down, should a call
 #: block (a broker that stopped answering): the read itself stops at the deadline.
 BACKSTOP_S = 1.0
+#: How long the writer keeps trying to write a batch the broker did not take (a
+#: restart), and its first and longest pauses between two tries.
+RETRY_FOR_S = 120.0
+RETRY_FIRST_S = 0.5
+RETRY_MAX_S = 5.0
 #: Pause after an unexpected error in the writer's own loop, so a bug that repeats
 #: logs a line per pause instead of spinning.
 ERROR_PAUSE_S = 0.1
@@ -277,41 +282,69 @@ class ResultWriter:
 
     def _publish(self, written: Written) -> None:
         """Publish one batch; whatever happens, settle its :class:`Written` (``ok`` false
-        unless every message of it was confirmed), so its jobs are acked either way."""
+        unless every message of it was confirmed), so its jobs are acked either way.
+
+        A broker that went away (a restart, a dropped connection) is waited for, up
+        to :data:`RETRY_FOR_S`: a record given up is a job that reads as never
+        started, which a copy of it, or its redelivery to another worker, would
+        then run again. Messages already confirmed are not sent again.
+        """
         ok = False
+        sent = 0
+        give_up_at = time.monotonic() + RETRY_FOR_S
+        pause = RETRY_FIRST_S
         try:
-            sender = publisher(self.urls, self.timeout)
-            for n in range(0, len(written.records), RECORDS_PER_MESSAGE):
-                body, headers = self.encode(written.records[n : n + RECORDS_PER_MESSAGE])
-                sender.publish(
-                    self.exchange,
-                    self.routing_key,
-                    body,
-                    message_id=uuid.uuid4().hex,
-                    headers=headers,
-                )
-            ok = True
-        except BrokerError as exc:
-            self.lost += len(written.records)
-            now = time.monotonic()
-            if now - self._last_warning > 60:
-                self._last_warning = now
-                logger.warning(
-                    "Could not write %d result record(s) to the results stream: %s. Those "
-                    "jobs are acked all the same (running a job again is worse than a "
-                    "missing result); their results read as the last record that went out.",
-                    len(written.records),
-                    exc,
-                )
+            while True:
+                try:
+                    sender = publisher(self.urls, self.timeout)
+                    while sent < len(written.records):
+                        batch = written.records[sent : sent + RECORDS_PER_MESSAGE]
+                        body, headers = self.encode(batch)
+                        sender.publish(
+                            self.exchange,
+                            self.routing_key,
+                            body,
+                            message_id=uuid.uuid4().hex,
+                            headers=headers,
+                        )
+                        sent += len(batch)
+                    ok = True
+                    return
+                except BrokerError as exc:
+                    if self._stopped or time.monotonic() + pause > give_up_at:
+                        self._give_up(len(written.records) - sent, exc)
+                        return
+                    logger.info(
+                        "Could not write %d result record(s) yet (%s); trying again in %.1f s.",
+                        len(written.records) - sent,
+                        exc,
+                        pause,
+                    )
+                    with self._cond:
+                        self._cond.wait_for(lambda: self._stopped, pause)
+                    pause = min(pause * 2, RETRY_MAX_S)
         except Exception:  # a bug (in encode, say) must not end the thread
-            self.lost += len(written.records)
+            self.lost += len(written.records) - sent
             logger.exception(
                 "Could not write %d result record(s) to the results stream; the writer "
                 "goes on, and those jobs are acked all the same.",
-                len(written.records),
+                len(written.records) - sent,
             )
         finally:
             written._finish(ok)
+
+    def _give_up(self, count: int, exc: BaseException) -> None:
+        self.lost += count
+        now = time.monotonic()
+        if now - self._last_warning > 60:
+            self._last_warning = now
+            logger.warning(
+                "Could not write %d result record(s) to the results stream: %s. Those "
+                "jobs are acked all the same (running a job again is worse than a "
+                "missing result); their results read as the last record that went out.",
+                count,
+                exc,
+            )
 
 
 class ReadEnd(enum.Enum):
