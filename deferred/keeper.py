@@ -12,10 +12,10 @@ token in ``PREFIX.keeper``, as for the scheduler) keeps the ledger
   it found the message missing. Every job with a hop in that window
   (:func:`deferred.ledger.to_repair`) may have been dropped:
 
-  - one due within :data:`NEAR_MS` is checked once it is due (plus
-    :data:`CHECK_AFTER_MS`, for the backlog the restart left): one read of the
-    results stream tells which of them started, and each that did not is
-    published again, due now. A restart moves thousands of jobs and loses a
+  - one due within :data:`NEAR_MS` is checked once it has been due
+    :data:`CHECK_AFTER_MS` (the backlog the restart left): one read of the
+    results stream tells which of the jobs due by then started, and each that
+    did not is published again, due now. A restart moves thousands of jobs and loses a
     handful; checking them in one read, rather than each copy on its own in a
     worker, is what keeps a restart from flooding the workers with copies.
   - one due later is published again at once, as a copy
@@ -138,7 +138,8 @@ class Stopping(Exception):
 
 @dataclass
 class Repair:
-    """A restart's repair under way: the jobs due soon, checked at ``check_at_ms``."""
+    """A restart's repair under way: the jobs due soon, each checked once it has been
+    due ``CHECK_AFTER_MS``, the last of them at ``check_at_ms``."""
 
     since_ms: int
     until_ms: int
@@ -146,6 +147,8 @@ class Repair:
     check_at_ms: int
     #: Copies published when it began (the jobs due later).
     published: int = 0
+    #: Copies published since, of jobs due soon that never started.
+    copies: int = 0
 
 
 class Keeper:
@@ -246,9 +249,12 @@ class Keeper:
                 )
             self._checked = True
             self._lost_ms = None
-        for repair in [r for r in self._repairs if self._now_ms() >= r.check_at_ms]:
-            self.finish_repair(repair)
-            self._repairs.remove(repair)
+        for repair in list(self._repairs):
+            # Each job is checked once it has been due CHECK_AFTER_MS: the lost ones run
+            # that late, not as late as the last job of the window.
+            self.check_repair(repair, until_ms=self._now_ms() - self.check_after_ms)
+            if not repair.near:
+                self._repairs.remove(repair)
         if self._up_missing and not self._repairs:
             # Only now: a keeper lost before this finds it missing and repairs again.
             self.link.mark_up()
@@ -308,7 +314,8 @@ class Keeper:
         repair = self.begin_repair(since_ms, until_ms)
         while self._now_ms() < repair.check_at_ms and not self._stop.is_set():
             time.sleep(0.1)
-        return repair.published + self.finish_repair(repair)
+        self.finish_repair(repair)
+        return repair.published + repair.copies
 
     def begin_repair(self, since_ms: int | None, until_ms: int) -> Repair:
         """Find the jobs with a hop between ``since_ms`` (``None``: the last "up at"
@@ -329,7 +336,7 @@ class Keeper:
         logger.warning(
             "The broker restarted (between %s and %s): %d job%s may have been moving between "
             "delay queues then. %d due later than %d s published again, to run once; the %d "
-            "due sooner are checked against the results at %s.",
+            "due sooner are checked against the results as they come due, the last at %s.",
             _iso(since_ms) if since_ms > 0 else "the ledger's start",
             _iso(until_ms),
             len(found),
@@ -342,35 +349,55 @@ class Keeper:
         return Repair(since_ms, until_ms, near, check_at, published=len(far))
 
     def finish_repair(self, repair: Repair) -> int:
-        """Publish again, due now, each job of ``repair.near`` whose attempt no worker
-        started: it was lost. One read of the results stream for all of them."""
+        """Check every job of ``repair.near`` now (see :meth:`check_repair`)."""
+        return self.check_repair(repair, until_ms=None)
+
+    def check_repair(self, repair: Repair, until_ms: int | None) -> int:
+        """Publish again, due now, each job of ``repair.near`` due by ``until_ms``
+        (``None``: all of them) whose attempt no worker started: it was lost. One read
+        of the results stream for all of them; they leave ``repair.near``."""
         from deferred.jobs import Job
         from deferred.results import started_attempts
 
-        if not repair.near:
-            copies = 0
-        else:
-            earliest = min(e.due_ms for e in repair.near) - BEFORE_MS
-            started = started_attempts(
-                self.settings,
-                datetime.fromtimestamp(earliest / 1000, UTC),
-                timeout=READ_TIMEOUT_S,
-            )
-            lost = [e for e in repair.near if started.get(e.job_id, 0) < Job.decode(e.body).attempt]
-            for entry in lost:
-                self._publish_copy(entry, 0)
-            copies = len(lost)
-        if repair.near:
+        batch = [e for e in repair.near if until_ms is None or e.due_ms <= until_ms]
+        if not batch:
+            if not repair.near:
+                self._done(repair)
+            return 0
+        earliest = min(e.due_ms for e in batch) - BEFORE_MS
+        started = started_attempts(
+            self.settings, datetime.fromtimestamp(earliest / 1000, UTC), timeout=READ_TIMEOUT_S
+        )
+        lost = [e for e in batch if started.get(e.job_id, 0) < Job.decode(e.body).attempt]
+        for entry in lost:
+            if self._stop.is_set():
+                raise Stopping
+            self._publish_copy(entry, 0)
+        taken = {id(e) for e in batch}
+        repair.near = [e for e in repair.near if id(e) not in taken]
+        repair.copies += len(lost)
+        if lost:
             logger.warning(
-                "Of the %d job%s due soon after the broker restart, %d never started: "
-                "published again.",
-                len(repair.near),
-                "" if len(repair.near) == 1 else "s",
-                copies,
+                "%d job%s due by %s never started after the broker restart: published again.",
+                len(lost),
+                "" if len(lost) == 1 else "s",
+                _iso(max(e.due_ms for e in batch)),
             )
-        self.last_repair = repair.published + copies
+        if not repair.near:
+            self._done(repair)
+        return len(lost)
+
+    def _done(self, repair: Repair) -> None:
+        total = repair.published + repair.copies
+        logger.info(
+            "The repair of the restart between %s and %s is done: %d job%s published again.",
+            _iso(repair.since_ms) if repair.since_ms > 0 else "the ledger's start",
+            _iso(repair.until_ms),
+            total,
+            "" if total == 1 else "s",
+        )
+        self.last_repair = total
         self.repaired.set()
-        return copies
 
     def _publish_copy(self, entry: ledger.Entry, wait_ms: int) -> None:
         broker.publisher(self.settings.broker_urls, self.settings.publish_timeout_s).publish(
