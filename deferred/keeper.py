@@ -19,9 +19,15 @@ token in ``PREFIX.keeper``, as for the scheduler) keeps the ledger
     handful; checking them in one read, rather than each copy on its own in a
     worker, is what keeps a restart from flooding the workers with copies.
   - one due later is published again at once, as a copy
-    (``x-deferred-copy: restart``) due when the job is, which the worker that
-    takes it runs only if no worker started that attempt
+    (``x-deferred-copy: restart``) due a second after the job, which the worker
+    that takes it runs only if no worker started that attempt
     (:mod:`deferred.pipeline`).
+
+  Either way a copy reaches the ready queue behind its job, if the job survived:
+  by the time a worker takes the copy, the job has been handed out, and the
+  worker's look-up (half a second after it took the copy) finds it started.
+  While a ready queue holds a backlog the checks wait (up to
+  :data:`MAX_POSTPONE_MS`): a job still waiting there would read as lost.
 - **"Up at" markers**, every :data:`ALIVE_EVERY_S`, in the ledger: where a
   restart window starts when no keeper saw the broker go.
 - **Carrying records forward**, every :data:`CARRY_EVERY_S`: the record of a
@@ -70,9 +76,17 @@ RECONNECT_MAX_S = 2.0
 #: is due, and published again only if it never started; one due later is published
 #: again at once, and its copy is checked by the worker that takes it.
 NEAR_MS = 60_000
-#: How long after the last of those jobs is due the results are read: time for a job
-#: that survived to start, through the backlog of what came due while the broker was down.
+#: How long after its job a copy published at once is due: it reaches the ready queue
+#: behind the job, if that survived, so the worker finds the job run.
+FAR_COPY_LAG_MS = 1_000
+#: How long after a job due soon is due it is checked: time for a job that survived
+#: to start, through the backlog of what came due while the broker was down.
 CHECK_AFTER_MS = 10_000
+#: The most messages the ready queues may hold for a check to go ahead, how often
+#: they are looked at, and how long a check may wait for them.
+BACKLOG_LIMIT = 50
+BACKLOG_EVERY_S = 1.0
+MAX_POSTPONE_MS = 300_000
 #: How long reading the whole ledger may take.
 READ_TIMEOUT_S = 600.0
 #: How long a stopping worker waits for the keeper thread (a daemon: it ends with
@@ -80,8 +94,6 @@ READ_TIMEOUT_S = 600.0
 STOP_WAIT_S = 2.0
 #: The lease connection's heartbeat: a keeper that stops answering loses the lease.
 HEARTBEAT_S = 10
-#: The header that marks a copy the keeper published, and its value.
-RESTART_COPY = "restart"
 #: When a carried record was written (ms).
 WRITTEN_HEADER = "x-deferred-written"
 #: Headers of a ledger record not to publish again: the stream's own, what
@@ -188,6 +200,7 @@ class Keeper:
         #: How long after the last of a repair's jobs due soon the results are read.
         self.check_after_ms = CHECK_AFTER_MS
         self._next_alive = 0.0
+        self._next_backlog_look = 0.0
         self._next_carry = 0.0
 
     def start(self) -> None:
@@ -249,12 +262,13 @@ class Keeper:
                 )
             self._checked = True
             self._lost_ms = None
-        for repair in list(self._repairs):
-            # Each job is checked once it has been due CHECK_AFTER_MS: the lost ones run
-            # that late, not as late as the last job of the window.
-            self.check_repair(repair, until_ms=self._now_ms() - self.check_after_ms)
-            if not repair.near:
-                self._repairs.remove(repair)
+        if self._repairs and self._may_check():
+            for repair in list(self._repairs):
+                # Each job is checked once it has been due CHECK_AFTER_MS: the lost ones
+                # run that late, not as late as the last job of the window.
+                self.check_repair(repair, until_ms=self._now_ms() - self.check_after_ms)
+                if not repair.near:
+                    self._repairs.remove(repair)
         if self._up_missing and not self._repairs:
             # Only now: a keeper lost before this finds it missing and repairs again.
             self.link.mark_up()
@@ -271,6 +285,22 @@ class Keeper:
             if self._next_carry:
                 self.carry()
             self._next_carry = now + CARRY_EVERY_S
+
+    def _may_check(self) -> bool:
+        """Whether the jobs due by now may be checked: not while a ready queue holds a
+        backlog, where a job that survived may still wait its turn (a copy published
+        then would be checked by a worker, one look-up each, and under load those
+        look-ups would feed the backlog). Past :data:`MAX_POSTPONE_MS` they are
+        checked anyway: a copy waits behind its job in the queue, so it finds it run."""
+        now = time.monotonic()
+        if now < self._next_backlog_look:
+            return False
+        self._next_backlog_look = now + BACKLOG_EVERY_S
+        oldest = min((e.due_ms for r in self._repairs for e in r.near), default=None)
+        if oldest is not None and self._now_ms() - oldest > MAX_POSTPONE_MS:
+            return True
+        queues = [q.name for q in self.plan.ready_queues.values()]
+        return self.link.backlog(queues) <= BACKLOG_LIMIT
 
     def _window_start(self) -> int | None:
         """When the restart window starts: this keeper's lost connection, or
@@ -331,7 +361,7 @@ class Keeper:
         for entry in far:
             if self._stop.is_set():
                 raise Stopping
-            self._publish_copy(entry, entry.due_ms - now_ms)
+            self._publish_copy(entry, entry.due_ms - now_ms + FAR_COPY_LAG_MS)
         check_at = max((e.due_ms for e in near), default=now_ms) + self.check_after_ms
         logger.warning(
             "The broker restarted (between %s and %s): %d job%s may have been moving between "
@@ -405,7 +435,7 @@ class Keeper:
             self.plan.routing_key(max(0, wait_ms), entry.queue),
             entry.body,
             message_id=entry.job_id,
-            headers={**entry.headers, broker.COPY_HEADER: RESTART_COPY},
+            headers={**entry.headers, broker.COPY_HEADER: broker.RESTART_COPY},
             priority=entry.priority,
         )
 

@@ -56,6 +56,7 @@ from django.db import close_old_connections
 from deferred import failures, intake, signing, tracing
 from deferred.broker import (
     COPY_HEADER,
+    RESTART_COPY,
     BrokerError,
     BrokerUnavailable,
     Delivery,
@@ -480,9 +481,14 @@ class Pipeline:
         """How much longer to hold a second copy of a publish (:data:`COPY_HEADER`) before
         it is looked up: long enough for a run of the first copy, which arrives with
         it, to be recorded. 0 for any other delivery, or once the wait is over."""
-        if COPY_HEADER not in delivery.headers or self.results is None or not keeps_result(job):
+        copy = delivery.headers.get(COPY_HEADER)
+        if copy is None or self.results is None or not keeps_result(job):
             return 0.0
-        return max(0.0, COPY_WAIT_S - (time.monotonic() - delivery.received))
+        # A restart's copy is published into the ready queue behind its job, if that
+        # survived: the job has been handed to a worker by now, and only its record
+        # may still be on its way.
+        wait = RESTART_COPY_WAIT_S if copy == RESTART_COPY else COPY_WAIT_S
+        return max(0.0, wait - (time.monotonic() - delivery.received))
 
     def _duplicate(self, job: Job, where: str) -> Outcome:
         """A copy of an attempt that ran: acked without running."""
@@ -790,6 +796,9 @@ def _lateness_ms(job: Job) -> float:
 
 #: How long a possible copy's look-up in the results may take before the job runs anyway.
 ELSEWHERE_TIMEOUT_S = 2.0
+#: How long a copy the keeper published after a broker restart waits before its look-up:
+#: the results writer's linger and a job's "started" record (deferred.results), with room.
+RESTART_COPY_WAIT_S = 0.5
 #: How long a second copy of a publish waits before its look-up: the first copy's
 #: run, if it was taken, is recorded within the results writer's linger by then.
 COPY_WAIT_S = 2.0

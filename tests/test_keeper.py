@@ -144,3 +144,24 @@ def test_a_broker_restart_is_repaired_by_the_keeper(clean, records, run_worker):
     time.sleep(3)
     assert ran(records) == Counter(dict.fromkeys(labels, 1))
     assert far
+
+
+def test_the_checks_wait_while_a_ready_queue_holds_a_backlog(clean, records):
+    from deferred.keeper import BACKLOG_LIMIT, Repair
+
+    keeper = Keeper(get_settings())
+    keeper.link.connect()
+    try:
+        now = int(time.time() * 1000)
+        keeper._repairs = [Repair(now - 60_000, now, [], now)]
+        for i in range(BACKLOG_LIMIT + 1):
+            defer(record, 0, records, f"waiting{i}")  # no worker: they wait in the queue
+        assert not keeper._may_check()
+        keeper._next_backlog_look = 0.0
+        with admin_channel(get_settings().broker_urls) as admin:
+            admin.channel.queue_purge(clean.ready_queues["default"].name)
+        assert keeper._may_check()
+        # Looked at once a second, not every turn.
+        assert not keeper._may_check()
+    finally:
+        keeper.link.close()

@@ -58,6 +58,7 @@ from deferred.broker.lease import Lease
 from deferred.broker.ledger import KeeperLink, read_stream
 from deferred.broker.publisher import (
     COPY_HEADER,
+    RESTART_COPY,
     Outgoing,
     Publisher,
     _publisher,
@@ -72,6 +73,7 @@ __all__ = [
     "COPY_HEADER",
     "LOST_CONSUMER_TIMEOUT",
     "PUBLISH_TIMEOUT_S",
+    "RESTART_COPY",
     "Admin",
     "BrokerError",
     "BrokerUnavailable",

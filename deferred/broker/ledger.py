@@ -10,7 +10,7 @@ import pika
 
 from deferred.broker.admin import declared_queue
 from deferred.broker.connection import PERSISTENT, Urls
-from deferred.broker.errors import BrokerUnavailable
+from deferred.broker.errors import BrokerUnavailable, TopologyNotDeclared
 from deferred.broker.lease import Lease
 from deferred.broker.streams import StreamFollower
 
@@ -45,6 +45,23 @@ class KeeperLink(Lease):
             finally:
                 if channel.is_open:
                     channel.close()
+
+    def backlog(self, queues: list[str]) -> int:
+        """How many messages wait, ready and not yet taken, in ``queues`` (a queue that
+        does not exist counts none)."""
+        assert self._connection is not None and self.node is not None
+        total = 0
+        with self._guard():
+            for name in queues:
+                channel = self._connection.channel()
+                try:
+                    total += declared_queue(channel, name, self.node).method.message_count
+                except TopologyNotDeclared:
+                    pass
+                finally:
+                    if channel.is_open:
+                        channel.close()
+        return total
 
     def mark_up(self) -> None:
         """Put the "up" message (one is enough; a second one is harmless)."""

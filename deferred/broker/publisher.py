@@ -49,6 +49,9 @@ logger = logging.getLogger("deferred.broker")
 #: a possible duplicate (it waits briefly, then runs it only if no run of the
 #: job is recorded: deferred.pipeline).
 COPY_HEADER = "x-deferred-copy"
+#: Its value on a copy the keeper publishes after a broker restart (deferred.keeper);
+#: a retried publish's copy carries 1.
+RESTART_COPY = "restart"
 #: A connection left unused this long is checked before a publish (a quick read,
 #: no round trip): one the broker or the network dropped meanwhile is replaced
 #: before anything is sent on it, rather than found dead with a message in flight.
