@@ -40,6 +40,8 @@ if os.environ.get("BENCH_REPAIR_STUCK"):
     DEFERRED["REPAIR_STUCK"] = os.environ["BENCH_REPAIR_STUCK"] == "1"
 
 # The signing scenario's unsigned runs: nothing signed, nothing checked.
+if os.environ.get("BENCH_LEDGER") == "0":
+    DEFERRED["LEDGER"] = False  # the cost of the ledger, measured against the default
 if os.environ.get("BENCH_SIGNING") == "0":
     DEFERRED["SIGNING"] = False
     SECRET_KEY = ""

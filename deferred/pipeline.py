@@ -478,16 +478,25 @@ class Pipeline:
         )
 
     def _copy_wait(self, delivery: Delivery, job: Job) -> float:
-        """How much longer to hold a second copy of a publish (:data:`COPY_HEADER`) before
-        it is looked up: long enough for a run of the first copy, which arrives with
-        it, to be recorded. 0 for any other delivery, or once the wait is over."""
+        """How much longer to hold a copy (:data:`COPY_HEADER`) or a redelivery before it
+        is looked up: long enough for a run of the other copy to be recorded. 0 for
+        any other delivery, for a job that keeps no results, or once the wait is over."""
         copy = delivery.headers.get(COPY_HEADER)
-        if copy is None or self.results is None or not keeps_result(job):
+        if self.results is None or not (copy is not None or delivery.redelivered):
             return 0.0
-        # A restart's copy is published into the ready queue behind its job, if that
-        # survived: the job has been handed to a worker by now, and only its record
-        # may still be on its way.
-        wait = RESTART_COPY_WAIT_S if copy == RESTART_COPY else COPY_WAIT_S
+        if not keeps_result(job):
+            return 0.0
+        if copy is None:
+            # Redelivered after a lost connection: a worker that ran it as the broker
+            # went writes its record once the broker is back, and a look-up at once
+            # would miss it.
+            wait = REDELIVERED_WAIT_S
+        elif copy == RESTART_COPY:
+            # Published into the ready queue behind its job, if that survived: the job
+            # has been handed to a worker by now, and only its record may be on its way.
+            wait = RESTART_COPY_WAIT_S
+        else:
+            wait = COPY_WAIT_S
         return max(0.0, wait - (time.monotonic() - delivery.received))
 
     def _duplicate(self, job: Job, where: str) -> Outcome:
@@ -796,6 +805,9 @@ def _lateness_ms(job: Job) -> float:
 
 #: How long a possible copy's look-up in the results may take before the job runs anyway.
 ELSEWHERE_TIMEOUT_S = 2.0
+#: How long a redelivered job waits before its look-up: the results writer of a worker
+#: that ran it as its connection went tries again every second (deferred.broker.results).
+REDELIVERED_WAIT_S = 2.0
 #: How long a copy the keeper published after a broker restart waits before its look-up:
 #: the results writer's linger and a job's "started" record (deferred.results), with room.
 RESTART_COPY_WAIT_S = 0.5

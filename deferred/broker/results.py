@@ -99,7 +99,7 @@ BACKSTOP_S = 1.0
 #: restart), and its first and longest pauses between two tries.
 RETRY_FOR_S = 120.0
 RETRY_FIRST_S = 0.5
-RETRY_MAX_S = 5.0
+RETRY_MAX_S = 1.0
 #: Pause after an unexpected error in the writer's own loop, so a bug that repeats
 #: logs a line per pause instead of spinning.
 ERROR_PAUSE_S = 0.1
