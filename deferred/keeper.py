@@ -47,7 +47,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
@@ -83,9 +83,10 @@ FAR_COPY_LAG_MS = 1_000
 #: to start, through the backlog of what came due while the broker was down.
 CHECK_AFTER_MS = 10_000
 #: The most messages the ready queues may hold for a check to go ahead, how often
-#: they are looked at, and how long a check may wait for them.
+#: checks are made (a read of the results each), and how long a job may wait to be
+#: called lost while a backlog holds it up.
 BACKLOG_LIMIT = 50
-BACKLOG_EVERY_S = 1.0
+BACKLOG_EVERY_S = 5.0
 MAX_POSTPONE_MS = 300_000
 #: How long reading the whole ledger may take.
 READ_TIMEOUT_S = 600.0
@@ -140,6 +141,12 @@ def entry_of(offset: int, body: bytes, headers: dict[str, Any]) -> ledger.Entry 
     )
 
 
+def _attempt(entry: ledger.Entry) -> int:
+    from deferred.jobs import Job
+
+    return Job.decode(entry.body).attempt
+
+
 def _ms(moment: datetime) -> int:
     return math.floor(moment.timestamp() * 1000)
 
@@ -161,6 +168,8 @@ class Repair:
     published: int = 0
     #: Copies published since, of jobs due soon that never started.
     copies: int = 0
+    #: (due, id, attempt) of every job due around ``near``, the at-risk ones included.
+    around: list[tuple[int, str, int]] = field(default_factory=list)
 
 
 class Keeper:
@@ -357,6 +366,14 @@ class Keeper:
         found = [e for e in ledger.to_repair(entries, since_ms, until_ms) if self._copyable(e)]
         now_ms = self._now_ms()
         near = [e for e in found if e.due_ms <= now_ms + NEAR_MS]
+        # Every job due around the near ones, at risk or not: their progress tells a job
+        # late in a backlog from one that is gone (ledger.overtaken).
+        around = sorted(
+            (e.due_ms, e.job_id, _attempt(e))
+            for e in ledger.latest(entries).values()
+            if since_ms - BEFORE_MS <= e.due_ms <= now_ms + NEAR_MS + 2 * BEFORE_MS
+            and self._copyable(e)
+        )
         far = [e for e in found if e.due_ms > now_ms + NEAR_MS]
         for entry in far:
             if self._stop.is_set():
@@ -376,7 +393,7 @@ class Keeper:
             len(near),
             _iso(check_at),
         )
-        return Repair(since_ms, until_ms, near, check_at, published=len(far))
+        return Repair(since_ms, until_ms, near, check_at, published=len(far), around=around)
 
     def finish_repair(self, repair: Repair) -> int:
         """Check every job of ``repair.near`` now (see :meth:`check_repair`)."""
@@ -398,12 +415,24 @@ class Keeper:
         started = started_attempts(
             self.settings, datetime.fromtimestamp(earliest / 1000, UTC), timeout=READ_TIMEOUT_S
         )
-        lost = [e for e in batch if started.get(e.job_id, 0) < Job.decode(e.body).attempt]
+        now_ms = self._now_ms()
+        others = [
+            (due, started.get(job_id, 0) >= attempt) for due, job_id, attempt in repair.around
+        ]
+        lost, waiting = [], []
+        for entry in batch:
+            if started.get(entry.job_id, 0) >= Job.decode(entry.body).attempt:
+                continue
+            passed = ledger.overtaken(entry.due_ms, others)
+            if passed is False and now_ms - entry.due_ms < MAX_POSTPONE_MS:
+                waiting.append(entry)  # the jobs after it have not started either: a backlog
+            else:
+                lost.append(entry)
         for entry in lost:
             if self._stop.is_set():
                 raise Stopping
             self._publish_copy(entry, 0)
-        taken = {id(e) for e in batch}
+        taken = {id(e) for e in batch} - {id(e) for e in waiting}
         repair.near = [e for e in repair.near if id(e) not in taken]
         repair.copies += len(lost)
         if lost:

@@ -204,3 +204,30 @@ def window_start(markers: Iterable[Marker], before_ms: int, margin_ms: int) -> i
         return 0
     start = last.alive_ms if last.unsettled_ms is None else min(last.alive_ms, last.unsettled_ms)
     return max(0, start - margin_ms)
+
+
+def overtaken(
+    due_ms: int,
+    others: list[tuple[int, bool]],
+    *,
+    after_ms: int = 2_000,
+    span_ms: int = 10_000,
+    share: float = 0.9,
+    least: int = 5,
+) -> bool | None:
+    """Whether the jobs due just after ``due_ms`` (between ``after_ms`` and
+    ``after_ms + span_ms`` later) have mostly started: ``others`` holds each job's
+    due time and whether it started. A job not started while those that follow it
+    did was passed by: it is not waiting in a backlog, it is gone. ``None`` when
+    fewer than ``least`` jobs follow it: nothing to tell by.
+
+    The delay line under load is a backlog no queue count shows: the broker's
+    dead-lettering falls behind, and jobs reach the ready queues late, in due
+    order at each hop. Their progress is the measure of "late" versus "lost".
+    """
+    followers = [
+        started for due, started in others if due_ms + after_ms < due <= due_ms + after_ms + span_ms
+    ]
+    if len(followers) < least:
+        return None
+    return sum(followers) >= share * len(followers)

@@ -98,12 +98,16 @@ def test_quorum_mode(broker_url, run_worker, records):
         listed = rabbitmqctl("list_queues", "name", "type", "arguments", "-q", "--no-table-headers")
         mine = [line for line in listed.splitlines() if line.startswith(prefix)]
         delay_lines = [line for line in mine if ".delay." in line]
-        streams = (f"{prefix}.cancels\t", f"{prefix}.results\t")
+        streams = (f"{prefix}.cancels\t", f"{prefix}.results\t", f"{prefix}.ledger\t")
+        # The "up" marker's queue is classic on purpose: its transient message must not
+        # survive a restart.
+        up = f"{prefix}.up\t"
         assert delay_lines and all(
-            "quorum" in line for line in mine if not line.startswith(streams)
+            "quorum" in line for line in mine if not line.startswith((*streams, up))
         )
         for stream in streams:
             assert any(line.startswith(f"{stream}stream") for line in mine), stream
+        assert any(line.startswith(f"{up}classic") for line in mine)
         assert all("at-least-once" in line for line in delay_lines)
         run_worker()
         start = time.time()

@@ -172,3 +172,18 @@ def test_a_window_starts_at_the_last_marker_or_the_oldest_unsettled_repair():
     assert ledger.window_start([M(5_000, 3_000), M(9_000)], 10_000, 1_000) == 8_000
     assert ledger.window_start([M(12_000)], 10_000, 1_000) == 0
     assert ledger.window_start([], 10_000, 1_000) == 0
+
+
+def test_a_job_is_lost_once_the_jobs_due_after_it_have_started():
+    later = [(10_000 + 3_000 + i * 1_000, True) for i in range(8)]
+    # They started, it did not: passed by, gone.
+    assert ledger.overtaken(10_000, later) is True
+    # They have not started either: a backlog holds them all up.
+    assert ledger.overtaken(10_000, [(d, False) for d, _ in later]) is False
+    # Mostly not: still a backlog.
+    half = [(d, i % 2 == 0) for i, (d, _) in enumerate(later)]
+    assert ledger.overtaken(10_000, half) is False
+    # Too few after it to tell, or only jobs due right after it (within after_ms) or
+    # long after: nothing to tell by.
+    assert ledger.overtaken(10_000, later[:4]) is None
+    assert ledger.overtaken(10_000, [(10_500, True)] * 10 + [(40_000, True)] * 10) is None
