@@ -168,6 +168,8 @@ class Repair:
     published: int = 0
     #: Copies published since, of jobs due soon that never started.
     copies: int = 0
+    #: When it began: the broker was back then (ms).
+    begun_ms: int = 0
     #: (due, id, attempt) of every job due around ``near``, the at-risk ones included.
     around: list[tuple[int, str, int]] = field(default_factory=list)
 
@@ -273,8 +275,12 @@ class Keeper:
             self._lost_ms = None
         if self._repairs and self._may_check():
             for repair in list(self._repairs):
-                # Each job is checked once it has been due CHECK_AFTER_MS: the lost ones
-                # run that late, not as late as the last job of the window.
+                # Not until CHECK_AFTER_MS after the broker was back: jobs that ran as it
+                # went have their records written by then (their writers try every
+                # second). Then each job once it has been due CHECK_AFTER_MS: the lost
+                # ones run that late, not as late as the last job of the window.
+                if self._now_ms() < repair.begun_ms + self.check_after_ms:
+                    continue
                 self.check_repair(repair, until_ms=self._now_ms() - self.check_after_ms)
                 if not repair.near:
                     self._repairs.remove(repair)
@@ -393,7 +399,15 @@ class Keeper:
             len(near),
             _iso(check_at),
         )
-        return Repair(since_ms, until_ms, near, check_at, published=len(far), around=around)
+        return Repair(
+            since_ms,
+            until_ms,
+            near,
+            max(check_at, now_ms + self.check_after_ms),
+            published=len(far),
+            begun_ms=now_ms,
+            around=around,
+        )
 
     def finish_repair(self, repair: Repair) -> int:
         """Check every job of ``repair.near`` now (see :meth:`check_repair`)."""
