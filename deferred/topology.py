@@ -528,10 +528,6 @@ def hold_levels_for(window_ms: int, radix: int, resolution_ms: int, levels: int)
 CANCEL_ROUTING_KEY = "cancel"
 #: The routing key of result records and the readers' markers, on the ingest exchange.
 RESULT_ROUTING_KEY = "result"
-#: The ledger's binding from the ingest exchange: two words or more, which every
-#: job's routing key has (digits, then the target queue) and no cancel or result
-#: record's has.
-LEDGER_PATTERN = "*.*.#"
 #: How long the ledger stream keeps a record. The keeper writes a pending job's
 #: record again before it gets this old (deferred.keeper).
 LEDGER_KEEP_MS = 7 * 24 * 3600 * 1000
@@ -670,10 +666,6 @@ def build_plan(
     bindings.append(Binding(ingest, f"{prefix}.cancels", CANCEL_ROUTING_KEY))
     # Results the same way: a web process reading one writes a marker there.
     bindings.append(Binding(ingest, f"{prefix}.results", RESULT_ROUTING_KEY))
-    # Every job, as published, into the ledger too: the broker makes the copy
-    # (one publish, one confirm for both queues).
-    if ledger:
-        bindings.append(Binding(ingest, f"{prefix}.ledger", LEDGER_PATTERN))
     # No digit left: to the ready queue named by the last word.
     ready_args = _ready_queue_arguments(
         queue_type, group_size, failed, delivery_limit, consumer_timeout_ms
@@ -697,6 +689,18 @@ def build_plan(
             for above in range(held, levels):
                 words = ["*"] * (levels - above) + ["0"] * (above - held) + last + [name]
                 bindings.append(Binding(level_exchange(above), queue.name, ".".join(words)))
+
+    # Every job that enters a delay queue, as published, into the ledger too: the
+    # broker makes the copy (one publish, one confirm for both queues). With the
+    # patterns that lead into the delay queues, not a catch-all: a job due at once,
+    # which makes no hop (nothing to repair), for a ready queue that is gone must
+    # still come back to defer() as unroutable, not be kept by the ledger alone.
+    if ledger:
+        into_delays = {q.name for q in delay_queues}
+        patterns = dict.fromkeys(
+            b.routing_key for b in bindings if b.source == ingest and b.destination in into_delays
+        )
+        bindings.extend(Binding(ingest, f"{prefix}.ledger", p) for p in patterns)
 
     return Plan(
         prefix=prefix,
