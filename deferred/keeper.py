@@ -218,11 +218,12 @@ class Keeper:
         self._thread = threading.Thread(target=self._run, name="deferred-keeper", daemon=True)
         self._thread.start()
 
-    def stop(self) -> None:
+    def stop(self, *, wait: bool = True) -> None:
         """End the thread; a repair under way ends with it, for the next keeper to do
-        again (the "up" message is put back only once a repair is done)."""
+        again (the "up" message is put back only once a repair is done). ``wait``:
+        for the thread, a moment (it is a daemon: the process may end without it)."""
         self._stop.set()
-        if self._thread is not None:
+        if wait and self._thread is not None:
             self._thread.join(timeout=STOP_WAIT_S)
 
     def _now_ms(self) -> int:

@@ -286,7 +286,9 @@ class Worker:
             if self.scheduler is not None:
                 self.scheduler.stop()
             if self.keeper is not None:
-                self.keeper.stop()
+                # A job given up at its hard limit was settled (its retry published): the
+                # process must end now, before the retry starts elsewhere beside its thread.
+                self.keeper.stop(wait=self.exit_status != WorkerExit.TIMED_OUT)
             # Every thread but one given up at a hard time limit: that one ends with the process.
             # A given-up job not settled went back to RabbitMQ with a lost connection: it
             # may run elsewhere now, so the stuck thread must end at once, and with it the
