@@ -295,7 +295,7 @@ class Keeper:
             if self._repairs:
                 # A keeper that takes over before these are done starts from here.
                 headers[ledger.UNSETTLED_HEADER] = min(r.since_ms for r in self._repairs)
-            self.link.write(b"", headers)
+            self.link.write_record(b"", headers)
             self._next_alive = now + ALIVE_EVERY_S
         if now >= self._next_carry:
             if self._next_carry:
@@ -348,7 +348,7 @@ class Keeper:
                 entries.append(entry)
             return False
 
-        self.link.write(b"", {ledger.ALIVE_HEADER: now_ms, "x-deferred-token": token})
+        self.link.write_record(b"", {ledger.ALIVE_HEADER: now_ms, "x-deferred-token": token})
         broker.read_stream(
             self.settings.broker_urls, self.plan.ledger_queue.name, take, timeout=READ_TIMEOUT_S
         )
@@ -503,7 +503,9 @@ class Keeper:
                 ledger.EXCHANGE_HEADER: entry.exchange,
                 WRITTEN_HEADER: self._now_ms(),
             }
-            self.link.write(entry.body, headers, priority=entry.priority, message_id=entry.job_id)
+            self.link.write_record(
+                entry.body, headers, priority=entry.priority, message_id=entry.job_id
+            )
             carried += 1
         if carried:
             logger.info("Carried %d pending job records forward in the ledger.", carried)

@@ -132,7 +132,14 @@ class Lease:
 
         return bodies, done
 
-    def write_record(self, body: bytes, headers: dict[str, Any] | None = None) -> None:
+    def write_record(
+        self,
+        body: bytes,
+        headers: dict[str, Any] | None = None,
+        *,
+        priority: int | None = None,
+        message_id: str | None = None,
+    ) -> None:
         """Publish a record to the record queue and wait for its confirm."""
         assert self._confirm is not None
         with self._guard():
@@ -144,6 +151,8 @@ class Lease:
                     delivery_mode=PERSISTENT,
                     content_type="application/json",
                     headers=headers or None,
+                    priority=priority,
+                    message_id=message_id,
                 ),
                 mandatory=True,
             )

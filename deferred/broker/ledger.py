@@ -9,7 +9,7 @@ from typing import Any
 import pika
 
 from deferred.broker.admin import declared_queue
-from deferred.broker.connection import PERSISTENT, Urls
+from deferred.broker.connection import Urls
 from deferred.broker.errors import BrokerUnavailable, TopologyNotDeclared
 from deferred.broker.lease import Lease
 from deferred.broker.streams import StreamFollower
@@ -72,30 +72,6 @@ class KeeperLink(Lease):
                 self.up_queue,
                 b"up",
                 pika.BasicProperties(delivery_mode=TRANSIENT),
-                mandatory=True,
-            )
-
-    def write(
-        self,
-        body: bytes,
-        headers: dict[str, Any],
-        *,
-        priority: int | None = None,
-        message_id: str | None = None,
-    ) -> None:
-        """Append one record to the ledger and wait for its confirm."""
-        assert self._confirm is not None
-        with self._guard():
-            self._confirm.basic_publish(
-                "",
-                self.record_queue,
-                body,
-                pika.BasicProperties(
-                    delivery_mode=PERSISTENT,
-                    headers=headers or None,
-                    priority=priority,
-                    message_id=message_id,
-                ),
                 mandatory=True,
             )
 
