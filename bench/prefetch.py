@@ -49,6 +49,8 @@ from deferred.topology import Plan, plan_topology
 from deferred.worker import Worker
 
 QUEUES = ["default", "other"]
+#: The queues of the start-latency scenario: a worker consumes the first 1, 2, 4 or 8.
+MANY = ["default", "other", *(f"q{n}" for n in range(2, 8))]
 #: ``(at, queue)`` of every nap that started.
 _naps: list[tuple[float, str]] = []
 
@@ -63,11 +65,11 @@ def nap(seconds: float) -> None:
 
 
 @contextlib.contextmanager
-def _topology(queue_type: str) -> Iterator[Plan]:
-    """A topology with both queues, in force (settings) until the block ends, then deleted."""
+def _topology(queue_type: str, queues: list[str] = QUEUES) -> Iterator[Plan]:
+    """A topology with ``queues``, in force (settings) until the block ends, then deleted."""
     config = Config(queue_type=queue_type)
     prefix = f"deferred-bench-{uuid.uuid4().hex[:8]}"
-    values = {**config.deferred_settings(prefix), "QUEUES": QUEUES}
+    values = {**config.deferred_settings(prefix), "QUEUES": queues}
     with override_settings(DEFERRED=values):
         try:
             call_command("declare_delay_topology", verbosity=0, stdout=io.StringIO())
@@ -238,6 +240,23 @@ def lateness(plan: Plan, concurrency: int, rate: float, seconds: float) -> dict[
     return summary([late for _id, _at, late in _seen])
 
 
+def start_latency(plan: Plan, concurrency: int, queues: int, count: int) -> dict[str, Any]:
+    """How late a due job starts on an idle worker of ``queues`` queues (ms): one job at a
+    time, into each queue in turn, each 50-150 ms after the previous one started."""
+    rng = random.Random(11)
+    consumed = MANY[:queues]
+    _emptied(plan)
+    running = _Running(concurrency, consumed)
+    time.sleep(0.5)  # idle: the looks into the queues are at their widest
+    _seen.clear()
+    for k in range(count):
+        defer(noop.using(queue=consumed[k % queues]), 0, k)
+        wait_until(lambda k=k: len(_seen) > k, 10)
+        time.sleep(rng.uniform(0.05, 0.15))
+    running.stop()
+    return summary([late for _id, _at, late in _seen])
+
+
 def idle(plan: Plan, concurrency: int, seconds: float) -> float:
     """The broker's CPU use (percent of a core) while a worker of both queues waits for jobs."""
     running = _Running(concurrency, QUEUES)
@@ -273,7 +292,7 @@ def main() -> None:
     parser.add_argument("--queue-type", default="classic", choices=["classic", "quorum"])
     parser.add_argument("--quick", action="store_true", help="fewer jobs, shorter runs")
     parser.add_argument("--repeats", type=int, default=1, help="runs of each dispatch point")
-    parser.add_argument("--only", default="dispatch,threads,held,lateness,idle")
+    parser.add_argument("--only", default="dispatch,threads,held,lateness,idle,start")
     parser.add_argument("--json", metavar="PATH", help="also append every result to PATH")
     args = parser.parse_args()
     django.setup()
@@ -289,6 +308,18 @@ def main() -> None:
                 out.write(json.dumps({"queue_type": qt, "name": name, "result": result}) + "\n")
 
     print(f"queue type {qt}", flush=True)
+    if "start" in only:
+        with _topology(qt, MANY) as plan:
+            for queues in (1, 2, 4, 8):
+                for c in sorted({4, queues}):
+                    got = start_latency(plan, c, queues, 60 if args.quick else 200)
+                    report(
+                        f"start c{c} q{queues}",
+                        got,
+                        f"idle worker, concurrency {c}, {queues} queue(s), a due job at a "
+                        f"time: start latency p50 {got['p50']:.1f} ms, mean {got['mean']:.1f} ms, "
+                        f"p99 {got['p99']:.1f} ms, max {got['max']:.1f} ms ({got['n']} jobs)",
+                    )
     with _topology(qt) as plan:
         if "dispatch" in only:
             for c, consumed, loaded in DISPATCH:

@@ -160,3 +160,121 @@ def test_with_no_free_slot_there_is_nothing_to_wait_for():
     slots = Slots(1, [A, B])
     slots.took(1, A, pinned=False, now=0.0)
     assert slots.wait(0.2, 0.0) == 0.2
+
+
+def test_a_busy_queue_borrows_the_slot_an_idle_queues_consumer_keeps():
+    # Given concurrency 2 over two queues: a consumer of 1 on each, no roaming slot
+    slots = Slots(2, [A, B])
+    assert slots.free() == 0 and slots.to_release(0.0, Probe(A)) is None
+    # When A's consumer is pushed a job, and A holds more
+    slots.took(1, A, pinned=True, now=0.0)
+    # Then B's idle consumer is to be cancelled, and its slot roams to A
+    assert slots.to_release(0.0, Probe(A)) == B
+    slots.released(B)
+    assert slots.free() == 1 and slots.next_queue(0.0, Probe()) == A
+    slots.took(2, A, pinned=False, now=0.0)
+    # And with both slots running A's jobs, nothing more is taken or released
+    assert slots.free() == 0 and slots.to_release(0.0, Probe(A)) is None
+
+
+def test_a_lone_job_costs_one_look_and_no_cancel():
+    slots = Slots(2, [A, B])
+    slots.took(1, A, pinned=True, now=0.0)
+    probe = Probe()  # A holds nothing more
+    assert slots.to_release(0.0, probe) is None and probe.asked == [[A]]
+    # A lost its turn: looked into again only once the wait between looks is over
+    assert slots.to_release(0.0, probe) is None and probe.asked == [[A]]
+    wait = slots.wait(10.0, 0.0)
+    assert 0 < wait <= PROBE_CAP_S
+    assert slots.to_release(wait, probe) is None and probe.asked == [[A], [A]]
+
+
+def test_jobs_that_arrive_behind_a_busy_consumer_borrow_an_idle_queues_slot():
+    # Given concurrency 2 over two queues, A's consumer busy with a lone job
+    slots = Slots(2, [A, B])
+    slots.took(1, A, pinned=True, now=0.0)
+    assert slots.to_release(0.0, Probe()) is None
+    # When more jobs arrive in A, unseen (its consumer has no room)
+    wait = slots.wait(10.0, 0.0)
+    # Then the next look finds them, and B's idle consumer lends its slot
+    assert slots.to_release(wait, Probe(A)) == B
+
+
+def test_a_lent_consumer_comes_back_once_no_queue_is_known_to_hold_jobs():
+    slots = Slots(2, [A, B])
+    slots.took(1, A, pinned=True, now=0.0)
+    slots.released(B)
+    slots.took(2, A, pinned=False, now=0.0)
+    slots.settled(2)
+    # A may still hold jobs: the free slot keeps roaming there
+    assert slots.to_restore() is None
+    slots.empty(A)
+    assert slots.to_restore() == B
+    slots.restored(B)
+    assert slots.free() == 0 and slots.to_restore() is None
+
+
+def test_a_consumer_holding_a_job_is_never_released():
+    slots = Slots(2, [A, B])
+    slots.took(1, A, pinned=True, now=0.0)
+    slots.took(2, B, pinned=True, now=0.0)
+    assert slots.to_release(0.0, Probe(A, B)) is None
+
+
+def test_queues_without_a_consumer_are_looked_into_while_a_busy_one_is_served():
+    # Given one slot roaming over two queues, A known to hold jobs
+    slots = Slots(1, [A, B])
+    probe = Probe(A)
+    assert slots.next_queue(0.0, probe) == A
+    slots.took(1, A, pinned=False, now=0.0)
+    slots.settled(1)
+    # When B gets a job: it is looked into every PROBE_CAP_S, not only once A is drained
+    probe.holding.add(B)
+    assert slots.next_queue(PROBE_CAP_S / 2, probe) == A
+    assert slots.next_queue(PROBE_CAP_S, probe) == B
+
+
+@pytest.mark.parametrize("seed", range(20))
+@pytest.mark.parametrize("limit, queues", [(2, 2), (3, 2), (4, 4), (4, 3), (2, 3), (1, 1), (5, 1)])
+def test_never_more_jobs_held_than_the_limit(seed, limit, queues):
+    """Random pushes (only to a consumer with room, as RabbitMQ does), gets, settles,
+    releases and restores, in the order the I/O thread makes them."""
+    import random
+
+    rng = random.Random(seed)
+    names = [f"q{n}" for n in range(queues)]
+    slots = Slots(limit, names)
+    held: set[int] = set()
+    tag = 0
+    for step in range(300):
+        now = step * 0.01
+        if held and rng.random() < 0.3:
+            done = rng.choice(sorted(held))
+            held.discard(done)
+            slots.settled(done)
+        pushable = [q for q in names if slots.room(q)]
+        if pushable and rng.random() < 0.4:
+            tag += 1
+            held.add(tag)
+            slots.took(tag, rng.choice(pushable), pinned=True, now=now)
+        while True:  # Consumer._roam
+            if not slots.free():
+                idle = slots.to_release(now, lambda qs: [q for q in qs if rng.random() < 0.7])
+                if idle is None:
+                    break
+                slots.released(idle)
+                continue
+            queue = slots.next_queue(now, lambda qs: [q for q in qs if rng.random() < 0.5])
+            if queue is None:
+                break
+            if rng.random() < 0.2:
+                slots.empty(queue)
+            else:
+                tag += 1
+                held.add(tag)
+                slots.took(tag, queue, pinned=False, now=now)
+        while (queue := slots.to_restore()) is not None:
+            slots.restored(queue)
+        reserved = sum(slots.room(q) for q in names)
+        assert len(held) + reserved <= limit, (step, held, reserved)
+        assert slots.free() >= 0

@@ -9,7 +9,10 @@ which 4.3 denies by default and then ignores without a word, and which quorum
 queues never had. So :class:`Slots` splits the concurrency: a queue gets a
 consumer whose prefetch RabbitMQ enforces when there are slots for every
 queue, and the other slots *roam*: the consumer fills them itself with
-``basic.get``, from whichever queue has jobs.
+``basic.get``, from whichever queue has jobs. An idle queue's consumer lends
+its slot to a queue with jobs waiting (it is cancelled, and consumed again
+once that queue is drained): ``--concurrency N`` runs N jobs of one queue at
+once, however many queues the worker has.
 
 Held jobs (the last mile, :mod:`deferred.holding`) come from the hold queues,
 each through a consumer of its own whose prefetch is the worker's hold
@@ -105,12 +108,12 @@ def pinned_prefetch(limit: int, queues: Sequence[str]) -> dict[str, int]:
     One queue takes every slot, as a consumer of prefetch ``limit``: the one
     case the broker caps alone, and the fastest. Several queues get a consumer
     each, of prefetch 1, when there are slots for all of them: a job that
-    arrives in an idle queue starts at once, and the other slots go to
-    whichever queues have jobs, where a fixed split would leave a busy queue
-    only its share while the others sit idle. With fewer slots than queues,
-    no consumer: a consumer with room that waits on an empty queue cannot be
-    cancelled without racing a delivery (pika hands that one back, marked
-    redelivered), so every slot roams.
+    arrives in an idle queue starts at once, pushed. Those consumers are
+    doorbells, not shares: when a busy queue needs the slot an idle queue's
+    consumer keeps, that consumer is cancelled (:meth:`Slots.to_release`) and
+    comes back once the busy queue is drained, so that ``limit`` jobs of one
+    queue run at once whatever the number of queues. With fewer slots than
+    queues, no consumer: every slot roams.
     """
     if len(queues) == 1:
         return {queues[0]: limit}
@@ -130,35 +133,55 @@ def hold_prefetch(limit: int, queues: Sequence[str]) -> dict[str, int]:
 class Slots:
     """Who may take how many unacked jobs: the worker's cap, with no broker in it.
 
-    The consumers of ``pinned`` queues are capped by RabbitMQ; the
-    ``roaming`` slots are filled by the consumer with ``basic.get``, one job
-    per free slot, so that the two together never exceed ``limit``. Queues
-    with jobs take turns; with none known, the queues whose jobs no consumer
-    would be handed are looked into after a wait that doubles while they stay
-    empty (:data:`PROBE_FIRST_S` to :data:`PROBE_CAP_S`). Driven from the I/O
+    The consumers of ``pinned`` queues are capped by RabbitMQ, and the room a
+    consumer has is a slot kept for its queue; the roaming slots, the rest, are
+    filled by the consumer with ``basic.get``, one job per free slot, so that the
+    two together never exceed ``limit``. Queues with jobs take turns; with none
+    known, the queues whose jobs no consumer would be handed are looked into
+    after a wait that doubles while they stay empty (:data:`PROBE_FIRST_S` to
+    :data:`PROBE_CAP_S`), and while some are known, the others every
+    :data:`PROBE_CAP_S`, so that a busy queue does not starve them.
+
+    When a queue with jobs waiting needs a slot that only an idle queue's
+    consumer keeps, that consumer is released (:meth:`to_release`: the caller
+    cancels it), and it is consumed again (:meth:`to_restore`) once no queue is
+    known to hold jobs and a slot is free for it. Only a consumer holding no job
+    is released: what a consumer holds is always its own. Driven from the I/O
     thread only.
     """
 
     def __init__(self, limit: int, queues: Sequence[str]) -> None:
+        self.limit = limit
         self.queues = list(queues)
+        #: The prefetch of each queue's consumer, while it has one.
         self.pinned = pinned_prefetch(limit, self.queues)
+        #: The slots that roam while every consumer is up.
         self.roaming = limit - sum(self.pinned.values())
+        #: The queues whose consumer is up: all of them at first.
+        self.consuming: set[str] = set(self.pinned)
         #: Unacked deliveries by tag: the queue whose consumer took it, ``None`` if a slot roamed.
         self._held: dict[int, str | None] = {}
         #: Queues thought to hold jobs, in turn: the next roaming slot takes from the first.
         self._candidates: deque[str] = deque()
         self._probe_at = 0.0
         self._probe_wait = PROBE_FIRST_S
+        #: When the queues not known to hold jobs are looked into next, while some are.
+        self._aside_at = 0.0
+
+    def room(self, queue: str) -> int:
+        """How many more jobs ``queue``'s consumer may be pushed: 0 without a consumer."""
+        if queue not in self.consuming:
+            return 0
+        return self.pinned[queue] - sum(1 for held in self._held.values() if held == queue)
 
     def free(self) -> int:
-        """Roaming slots with no job."""
-        return self.roaming - sum(1 for queue in self._held.values() if queue is None)
+        """Roaming slots with no job: the cap, less the jobs held and the consumers' room."""
+        return self.limit - len(self._held) - sum(self.room(q) for q in self.consuming)
 
     def unseen(self) -> list[str]:
         """Queues where a job may wait with no consumer to be handed it: no consumer,
         or one with no room left."""
-        held = [queue for queue in self._held.values() if queue is not None]
-        return [q for q in self.queues if held.count(q) >= self.pinned.get(q, 0)]
+        return [q for q in self.queues if not self.room(q)]
 
     def took(self, tag: int, queue: str, *, pinned: bool, now: float) -> None:
         """A delivery from ``queue``, pushed to its consumer or taken by a roaming slot."""
@@ -183,9 +206,15 @@ class Slots:
         """The queue a free roaming slot takes from next, or ``None`` for now.
 
         With no queue known to hold jobs and the wait over, ``probe`` is asked
-        which of the unseen queues hold some.
+        which of the unseen queues hold some; with some known, it is asked of
+        the other unseen queues every :data:`PROBE_CAP_S`.
         """
         if self._candidates:
+            others = [q for q in self.unseen() if q not in self._candidates]
+            if others and now >= self._aside_at:
+                self._aside_at = now + PROBE_CAP_S
+                # They waited while the others were served: they go first.
+                self._candidates.extendleft(reversed(probe(others)))
             return self._candidates[0]
         unseen = self.unseen()
         if not unseen or now < self._probe_at:
@@ -194,13 +223,74 @@ class Slots:
         # resets it, so a count the gets cannot match never makes a busy loop.
         self._probe_at = now + self._probe_wait
         self._probe_wait = min(self._probe_wait * 2, PROBE_CAP_S)
+        self._aside_at = now + PROBE_CAP_S
         self._candidates.extend(probe(unseen))
         return self._candidates[0] if self._candidates else None
 
+    def to_release(self, now: float, probe: Callable[[list[str]], list[str]]) -> str | None:
+        """The idle queue whose consumer to cancel, so that its slot goes to a queue
+        whose jobs wait unseen; ``None`` when none should be.
+
+        ``probe`` is asked first whether the queues that may hold jobs do: those
+        known to have had one (a consumer was just pushed a job, and may have no
+        other), else, once the wait between looks is over, every unseen queue. A
+        queue found empty loses its turn: a lone job costs a look, not a cancel and
+        a consume.
+        """
+        idle = self._idle() if self.free() <= 0 else None
+        if idle is None:
+            return None
+        unseen = self.unseen()
+        waiting = [q for q in self._candidates if q in unseen]
+        if waiting:
+            self._probe_at = max(self._probe_at, now + self._probe_wait)
+        else:
+            if not unseen or now < self._probe_at:
+                return None
+            self._probe_at = now + self._probe_wait
+            self._probe_wait = min(self._probe_wait * 2, PROBE_CAP_S)
+            waiting = unseen
+        found = probe(waiting)
+        for queue in waiting:
+            if queue in self._candidates and queue not in found:
+                self._candidates.remove(queue)
+            elif queue in found and queue not in self._candidates:
+                self._candidates.append(queue)
+        return idle if found else None
+
+    def _idle(self) -> str | None:
+        """A queue whose consumer has room and no known job waiting: the last such."""
+        for queue in reversed(self.queues):
+            if queue in self.consuming and queue not in self._candidates and self.room(queue):
+                return queue
+        return None
+
+    def released(self, queue: str) -> None:
+        """``queue``'s consumer was cancelled."""
+        self.consuming.discard(queue)
+
+    def to_restore(self) -> str | None:
+        """A queue whose consumer to start again, now that no queue is known to hold
+        jobs and a slot is free for it; ``None`` when none should be."""
+        if self._candidates:
+            return None
+        for queue in self.queues:
+            if queue in self.pinned and queue not in self.consuming:
+                return queue if self.free() >= self.pinned[queue] else None
+        return None
+
+    def restored(self, queue: str) -> None:
+        """``queue`` has a consumer again."""
+        self.consuming.add(queue)
+
     def wait(self, seconds: float, now: float) -> float:
         """How long the I/O thread may wait for the broker before roaming slots look again."""
-        if not self.free() or self._candidates or not self.unseen():
+        if not self.unseen() or (self.free() <= 0 and self._idle() is None):
             return seconds
+        if self.free() <= 0:
+            return max(0.0, min(seconds, self._probe_at - now))
+        if self._candidates:
+            return max(0.0, min(seconds, self._aside_at - now))
         return max(0.0, min(seconds, self._probe_at - now))
 
 
@@ -250,6 +340,8 @@ class Consumer:
         #: The node consumed from; ``None`` while not connected.
         self.node: Node | None = None
         self._tags: list[str] = []
+        #: The consumer tag of each ready queue's consumer, while it has one (see Slots).
+        self._doorbells: dict[str, str] = {}
         self._cancelled_by_broker: str | None = None
         #: The cap of the current connection; ``None`` while not connected.
         self._slots: Slots | None = None
@@ -280,10 +372,9 @@ class Consumer:
             self._on_delivery = on_delivery
             slots = Slots(self.prefetch, self.queues)
             channel.add_on_cancel_callback(self._on_broker_cancel)
-            for queue, prefetch in slots.pinned.items():
-                # A consumer's prefetch is the channel's at its basic.consume.
-                channel.basic_qos(prefetch_count=prefetch)
-                self._tags.append(channel.basic_consume(queue, partial(self._pushed, queue)))
+            self._doorbells = {}
+            for queue in slots.pinned:
+                self._consume(channel, slots, queue)
             for queue, prefetch in hold_prefetch(self.hold_prefetch, self.hold_queues).items():
                 channel.basic_qos(prefetch_count=prefetch)
                 self._tags.append(channel.basic_consume(queue, partial(self._to_hold, queue)))
@@ -399,12 +490,33 @@ class Consumer:
                 q for q in queues if channel.queue_declare(q, passive=True).method.message_count
             ]
 
-        while slots.free() and (queue := slots.next_queue(time.monotonic(), probe)) is not None:
+        while True:
+            if not slots.free():
+                idle = slots.to_release(time.monotonic(), probe)
+                if idle is None:
+                    break
+                # Its slot goes to a queue with jobs waiting. A job pushed to it
+                # meanwhile goes back to its queue (pika rejects it), marked redelivered.
+                channel.basic_cancel(self._doorbells.pop(idle))
+                slots.released(idle)
+                continue
+            queue = slots.next_queue(time.monotonic(), probe)
+            if queue is None:
+                break
             method, props, body = channel.basic_get(queue)
             if method is None:
                 slots.empty(queue)  # another worker took it first
             else:
                 self._deliver(queue, method, props, body, pinned=False)
+        while (queue := slots.to_restore()) is not None:
+            self._consume(channel, slots, queue)
+
+    def _consume(self, channel: BlockingChannel, slots: Slots, queue: str) -> None:
+        """Start ``queue``'s consumer, of the prefetch its slots give it."""
+        # A consumer's prefetch is the channel's at its basic.consume.
+        channel.basic_qos(prefetch_count=slots.pinned[queue])
+        self._doorbells[queue] = channel.basic_consume(queue, partial(self._pushed, queue))
+        slots.restored(queue)
 
     def _on_broker_cancel(self, method: Any) -> None:
         # The broker cancels a consumer when its queue is deleted (or its node
@@ -456,7 +568,7 @@ class Consumer:
         if forwarding is not None and forwarding.is_open:
             with contextlib.suppress(*CONNECTION_ERRORS, px.AMQPChannelError):
                 forwarding.close()  # what it had not acked goes back to its queue
-        channel, self._tags = self._channel, []
+        channel, self._tags, self._doorbells = self._channel, [], {}
         if channel is None or not channel.is_open:
             return
         try:
@@ -561,6 +673,7 @@ class Consumer:
         connection, node = self._connection, self.node
         self._connection = self._channel = self._forward_channel = self.node = None
         self._tags, self._slots, self._taking = [], None, False
+        self._doorbells = {}
         if connection is not None:
             close_quietly(connection)
         if node is None:
