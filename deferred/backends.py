@@ -176,6 +176,12 @@ class RabbitMQBackend(BaseTaskBackend):  # type: ignore[misc]
         Ours first: the framework's "Queue ... is not valid for backend" does
         not say where the valid ones come from.
         """
+        if isinstance(task.run_after, timedelta):
+            raise InvalidTask(
+                f"run_after must be an aware datetime, not a timedelta ({task.run_after!r}): "
+                "write run_after=timezone.now() + timedelta(...), or use deferred.defer(), "
+                "which takes a delay."
+            )
         configured = _configured_queues()
         if configured and _target_queue(task.queue_name, configured) is None:
             raise InvalidTask(

@@ -39,7 +39,7 @@ from typing import Any
 
 from django.template.defaultfilters import pluralize
 
-from deferred import broker, signing
+from deferred import broker, notices, signing
 from deferred.conf import DeferredSettings, get_settings
 from deferred.jobs import BrokenMessage, Job, due_of, new_job_id, utcnow
 from deferred.keys import KeyView
@@ -445,7 +445,10 @@ class CancelWatch:
             ) as admin:
                 admin.declare_cancels(plan_topology(self.settings))
         except broker.BrokerError as exc:
-            logger.error("Could not declare the cancels stream %s: %s", self.queue, exc)
+            if isinstance(exc, broker.TopologyNotDeclared) or "NOT_FOUND" in str(exc):
+                notices.topology_missing(exc)  # its exchange is missing too
+            else:
+                logger.error("Could not declare the cancels stream %s: %s", self.queue, exc)
             return False
         logger.warning(
             "Declared the missing cancels stream %s; run declare_delay_topology after each "
@@ -531,11 +534,14 @@ class CancelWatch:
                     self._next_offset = None
                 if isinstance(exc, broker.TopologyNotDeclared) and self._declare_stream():
                     continue
-                logger.error(
-                    "Cannot read the cancels (%s); jobs wait until it can. Retrying in %.1f s.",
-                    exc,
-                    wait_s,
-                )
+                if isinstance(exc, broker.TopologyNotDeclared):
+                    notices.topology_missing(exc)
+                else:
+                    logger.error(
+                        "Cannot read the cancels (%s); jobs wait until it can. Retrying in %.1f s.",
+                        exc,
+                        wait_s,
+                    )
                 self._stopping.wait(wait_s)
                 wait_s = min(wait_s * 2, RECONNECT_CAP_S)
             except Exception:

@@ -53,6 +53,8 @@ class Held:
     job: Any
     #: ``time.monotonic()`` at the due time.
     due: float
+    #: Its priority (-100..100): the highest goes back first when several are handed back.
+    rank: int = 0
     state: str = HELD
     released_at: float = 0.0
     seq: int = field(default=0)
@@ -90,9 +92,9 @@ class Holder:
         self._thread = threading.Thread(target=self._run, name="deferred-holder", daemon=True)
         self._thread.start()
 
-    def hold(self, delivery: Any, job: Any, seconds: float) -> Held | None:
+    def hold(self, delivery: Any, job: Any, seconds: float, rank: int = 0) -> Held | None:
         """Hold ``delivery`` for ``seconds`` (from now); ``None`` once stopped: hand it back."""
-        entry = Held(delivery, job, time.monotonic() + max(0.0, seconds))
+        entry = Held(delivery, job, time.monotonic() + max(0.0, seconds), rank)
         with self._lock:
             if self._stopped:
                 return None
@@ -150,7 +152,9 @@ class Holder:
                             entry.state = HANDED_BACK
                     for entry in due:
                         self._hand_back(entry)
-            for entry in stale:
+            # Highest priority first, then in due order: back in a queue whose levels
+            # are coarser than the priorities, they keep that order among themselves.
+            for entry in sorted(stale, key=lambda e: -e.rank):
                 try:
                     self._hand_back(entry)
                 except Exception:

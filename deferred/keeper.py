@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from deferred import broker, ledger
+from deferred import broker, ledger, notices
 from deferred.broker.ledger import EXCHANGE, PRIORITY, ROUTING_KEY
 from deferred.conf import DeferredSettings
 from deferred.topology import LEDGER_KEEP_MS, Plan, plan_topology
@@ -248,7 +248,7 @@ class Keeper:
                 if self._lost_ms is None and self.link.node is not None:
                     self._lost_ms = self._now_ms()
                 if isinstance(exc, broker.TopologyNotDeclared):
-                    logger.error("The ledger cannot be kept: %s", exc)
+                    notices.topology_missing(exc)
                 elif self.leading.is_set():
                     logger.info("This worker no longer keeps the ledger: %s", exc)
                 self.leading.clear()

@@ -52,6 +52,16 @@ def level(priority: int) -> int:
     return DEFAULT_LEVEL
 
 
+def top_of(amqp_level: int) -> int:
+    """The highest priority :func:`level` maps to ``amqp_level``: where a job whose exact
+    priority is not known yet (its body not read) waits among jobs whose priority is."""
+    if amqp_level > DEFAULT_LEVEL:
+        return min(MAX_PRIORITY, (amqp_level - DEFAULT_LEVEL) * 20)
+    if amqp_level < DEFAULT_LEVEL:
+        return -1 - (DEFAULT_LEVEL - 1 - max(0, amqp_level)) * 25
+    return DEFAULT_PRIORITY
+
+
 def broker_levels(queue_type: str, version: tuple[int, ...] | None) -> int:
     """How many priority levels RabbitMQ ``version`` gives ``queue_type`` queues as this
     library declares them (1: none); ``version`` ``None``: not known, assumed 4.0's."""

@@ -251,6 +251,16 @@ class Plan:
         digits = self.digits(self.units(delay_ms))
         return sum(1 for d in digits[: self.levels - self.hold_levels] if d)
 
+    def size(self) -> str:
+        """How many queues and exchanges, and of which kind, in words: the one count that
+        ``declare_delay_topology``, its ``--delete`` and the docs give."""
+        bookkeeping = len(self.shared_queues) - len(self.ready_queues) - len(self.hold_queues)
+        return (
+            f"{len(self.all_queues)} queues ({len(self.delay_queues)} delay, "
+            f"{len(self.ready_queues)} ready, {len(self.hold_queues)} hold, {bookkeeping} "
+            f"bookkeeping) and {len(self.all_exchanges)} exchanges"
+        )
+
     def describe(self) -> dict[str, Any]:
         """A JSON-ready description (``declare_delay_topology --format json``)."""
         return {

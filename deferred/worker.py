@@ -50,6 +50,7 @@ from typing import Any
 
 from django.template.defaultfilters import pluralize
 
+from deferred import notices
 from deferred.broker import (
     LOST_CONSUMER_TIMEOUT,
     BrokerError,
@@ -72,7 +73,7 @@ from deferred.metrics import WorkerMetrics
 from deferred.outcomes import Observers, Outcome
 from deferred.pipeline import Abandoned, Hold, Joined, Pipeline, Released, Running
 from deferred.pool import Pool
-from deferred.priorities import DEFAULT_LEVEL
+from deferred.priorities import DEFAULT_LEVEL, top_of
 from deferred.publishing import note_verified
 from deferred.recycling import Recycling
 from deferred.results import Recorder
@@ -246,6 +247,7 @@ class Worker:
                         self._check_cancel_route()
                     self.consumer.start(self._on_delivery)
                     self._consuming(True)
+                    notices.forget()
                     logger.info(
                         "Worker consuming %s at %s with concurrency %d.",
                         ", ".join(self.consumer.queues),
@@ -268,14 +270,18 @@ class Worker:
                         logger.critical("Worker stopping: %s", exc)
                         raise
                     if self._stopping.is_set():
-                        logger.error("Broker lost while stopping: %s", exc)
+                        if not isinstance(exc, TopologyNotDeclared):
+                            logger.error("Broker lost while stopping: %s", exc)
                         break
-                    logger.error(
-                        "RabbitMQ unavailable: %s. Running jobs go on; their messages will be "
-                        "redelivered. Reconnecting in %.1f s.",
-                        exc,
-                        wait_s,
-                    )
+                    if isinstance(exc, TopologyNotDeclared):
+                        notices.topology_missing(exc)
+                    else:
+                        logger.error(
+                            "RabbitMQ unavailable: %s. Running jobs go on; their messages "
+                            "will be redelivered. Reconnecting in %.1f s.",
+                            exc,
+                            wait_s,
+                        )
                     self._stopping.wait(wait_s)
                     wait_s = min(wait_s * 2, RECONNECT_CAP_S)
         finally:
@@ -459,12 +465,12 @@ class Worker:
             job = self.pipeline.read(delivery)
             seconds = None if job is None else self.pipeline.hold_seconds(job)
             if job is not None and seconds is not None and not self._stopping.is_set():
-                if self.holder.hold(delivery, job, seconds) is not None:
+                if self.holder.hold(delivery, job, seconds, job.priority) is not None:
                     return
         with self._lock:
             self._inflight += 1
         assert self._executor is not None
-        self._executor.submit(self._execute, delivery, job, priority=_level(delivery))
+        self._executor.submit(self._execute, delivery, job, priority=_rank(delivery, job))
 
     def _release(self, entries: list[Held]) -> None:
         """On the holder's thread: held jobs are due; run them in the pool, submitted
@@ -474,7 +480,7 @@ class Worker:
         assert self._executor is not None
         try:
             self._executor.submit_many(
-                [(self._execute, (e.delivery, e.job, e), _level(e.delivery)) for e in entries]
+                [(self._execute, (e.delivery, e.job, e), e.rank) for e in entries]
             )
         except RuntimeError:  # the pool is shut down: the holder hands them back
             with self._lock:
@@ -550,7 +556,7 @@ class Worker:
             ack = True
         except Hold as hold:
             released = True  # not settled now: held, or handed back
-            if self.holder.hold(delivery, hold.job, hold.seconds) is None:
+            if self.holder.hold(delivery, hold.job, hold.seconds, hold.job.priority) is None:
                 self._hand_back([(delivery, hold.job)], "the worker is stopping")
         except Abandoned as gone:
             # Past its hard time limit: settled and counted by _on_hard_limit already.
@@ -625,7 +631,7 @@ class Worker:
                 self._inflight += 1
             assert self._executor is not None
             try:
-                self._executor.submit(self._execute, delivery, priority=_level(delivery))
+                self._executor.submit(self._execute, delivery, priority=_rank(delivery, None))
             except RuntimeError:  # the pool is shut down: RabbitMQ gets it back
                 with self._lock:
                     self._inflight -= 1
@@ -656,10 +662,13 @@ class Worker:
             )
 
 
-def _level(delivery: Delivery) -> int:
-    """Where a delivery waits for a thread: by its AMQP priority (a job published
-    before priorities existed has none, and counts as the default)."""
-    return DEFAULT_LEVEL if delivery.priority is None else delivery.priority
+def _rank(delivery: Delivery, job: Job | None) -> int:
+    """Where a delivery waits for a thread: by its job's priority (-100..100) once read
+    (held jobs are), else the highest of its AMQP level's (a job published before
+    priorities existed has none, and counts as the default)."""
+    if job is not None:
+        return job.priority
+    return top_of(DEFAULT_LEVEL if delivery.priority is None else delivery.priority)
 
 
 def _legacy(plan: Plan, names: list[str]) -> dict[str, str]:

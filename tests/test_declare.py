@@ -54,8 +54,13 @@ def test_second_run_changes_nothing_and_says_so(topology):
 def test_first_run_says_what_it_created(broker_url):
     with own_prefix(broker_url, RADIX=16):
         out = run()
-        assert "Declared topology r16.1ms.L4.H2.P9.classic: created" in out
-        assert "nothing changed" in run()
+        plan = current_plan()
+        # One count, by kind, the same in both messages and as the plan says it
+        size = plan.size()
+        assert size.startswith(f"{len(plan.all_queues)} queues ({len(plan.delay_queues)} delay, ")
+        assert f"Declared topology r16.1ms.L4.H2.P9.classic, {size}: created " in out
+        again = run()
+        assert "nothing changed" in again and size in again
 
 
 def test_dry_run_prints_the_plan_and_touches_nothing(broker_url):

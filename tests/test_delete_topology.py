@@ -34,8 +34,14 @@ def test_a_dry_run_lists_and_removes_nothing(broker_url):
         before = on_broker(prefix)
         out = run("--delete", "--dry-run")
         assert f"PREFIX '{prefix}'" in out and "no job in them" in out
-        assert f"queue     {current_plan().ready_queues['default'].name}" in out
         assert "Dry run: nothing was removed." in out
+        # A few lines; every name with -v 2
+        plan = current_plan()
+        assert f"{len(plan.all_queues)} queues and {len(plan.all_exchanges)} exchanges" in out
+        assert len(out.splitlines()) <= 4 and "-v 2" in out, out
+        named = run("--delete", "--dry-run", "-v", "2")
+        assert f"queue     {plan.ready_queues['default'].name}" in named
+        assert len(named.splitlines()) > len(plan.all_queues)
         assert on_broker(prefix) == before
 
 

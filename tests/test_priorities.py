@@ -80,6 +80,52 @@ def test_classic_ready_queue_delivers_highest_priority_first(records, run_worker
     assert positions[-1] <= HIGH, positions
 
 
+# ---------------------------------------------------------------------- one level, exact
+
+
+def defer_close_priorities(records: str, delay: object) -> None:
+    """100 jobs of priority 1, then 5 of priority 9: one AMQP level (1 to 20), all due
+    at ``delay``."""
+    defer_many([(record.using(priority=1), delay, (records, f"low-{n}")) for n in range(100)])
+    urgent = record.using(priority=9)
+    defer_many([(urgent, delay, (records, f"high-{n}")) for n in range(5)])
+
+
+def close_positions(records: str) -> list[int]:
+    assert wait_for(lambda: len(ran(records)) == 105, 60), len(ran(records))
+    return [n for n, label in enumerate(ran(records)) if label.startswith("high")]
+
+
+@pytest.mark.parametrize("queue_type", ["classic", "quorum"])
+def test_held_jobs_start_by_their_exact_priority_within_one_level(
+    broker_url, records, run_worker, queue_type
+):
+    # Given a worker of concurrency 1 holding 105 jobs due together, of priorities 1 and 9
+    with held_topology(broker_url, QUEUE_TYPE=queue_type):
+        run_worker(settings=get_settings(), concurrency=1, queues=["default"])
+        defer_close_priorities(records, utcnow() + timedelta(seconds=2))
+        # Then the 9s start first (bar the one released before the rest were in the pool)
+        positions = close_positions(records)
+    assert positions[-1] <= 5, positions
+
+
+@pytest.mark.parametrize("queue_type", ["classic", "quorum"])
+def test_held_jobs_due_behind_a_busy_thread_go_back_highest_priority_first(
+    broker_url, records, run_worker, queue_type
+):
+    # Given a worker of concurrency 1 whose only thread is busy
+    with held_topology(broker_url, QUEUE_TYPE=queue_type):
+        run_worker(settings=get_settings(), concurrency=1, queues=["default"])
+        defer(sleepy, 0, records, "blocker", 3.0)
+        assert wait_for(lambda: any(r["label"] == "blocker" for r in read_records(records)), 10)
+        # When 105 held jobs of priorities 1 and 9 come due while it runs (they go back
+        # to the ready queue for a free worker, all in one AMQP level)
+        defer_close_priorities(records, utcnow() + timedelta(seconds=1.5))
+        # Then the 9s still run first: they went back first
+        positions = close_positions(records)
+    assert positions == list(range(5)), positions
+
+
 # ---------------------------------------------------------------------- quorum
 
 

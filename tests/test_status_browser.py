@@ -119,6 +119,31 @@ def test_staff_retries_a_failed_job_and_it_runs(
             page_width,
             wide,
         )
+        # Every button and field is on screen, no table scrolls sideways (hiding its
+        # Retry and Purge), and each form's label holds on one line
+        off = browser.execute_script(
+            "const w = window.innerWidth;"
+            "return [...document.querySelectorAll('#content-main input, #content-main button')]"
+            ".filter(e => e.type !== 'hidden' && e.offsetParent !== null)"
+            ".filter(e => { const r = e.getBoundingClientRect();"
+            " return r.left < 0 || r.right > w; })"
+            ".map(e => (e.value || e.textContent) + ':'"
+            " + Math.round(e.getBoundingClientRect().right));"
+        )
+        assert off == [], (width, off)
+        sideways = browser.execute_script(
+            "return [...document.querySelectorAll('.deferred-section')]"
+            ".filter(e => e.scrollWidth > e.clientWidth + 1).map(e => e.id);"
+        )
+        assert sideways == [], (width, sideways)
+        for label in ("deferred-cancel-ids", "deferred-result-id"):
+            tall = browser.execute_script(
+                "const l = document.querySelector(`label[for=${arguments[0]}]`);"
+                "return l.getBoundingClientRect().height /"
+                " parseFloat(getComputedStyle(l).fontSize);",
+                label,
+            )
+            assert tall < 2.0, (width, label, tall)
         (tmp_path / f"status-page-{width}.png").write_bytes(browser.get_screenshot_as_png())
     browser.set_window_size(1280, 1900)
     # When the service is back and the user clicks Retry on that job

@@ -3,6 +3,7 @@ that a worker in another process can report back."""
 
 import asyncio
 import json
+import logging
 import os
 import subprocess
 import time
@@ -20,6 +21,12 @@ def _append(path: str, **fields: object) -> None:
 @task
 def record(path: str, label: str) -> None:
     _append(path, label=label, event="ran")
+
+
+@task(name="tests.says")
+def says(text: str) -> None:
+    """Logs ``text`` at INFO, as a task's own logging does."""
+    logging.getLogger("tests.says").info(text)
 
 
 @task(name="tests.timed")

@@ -180,7 +180,9 @@ class Command(BaseCommand):
                 exchanges = [e for e in removal.exchanges if admin.exchange_exists(e)]
                 jobs = sum(s.messages for q, s in queues.items() if q not in removal.bookkeeping)
                 consumers = sum(s.consumers for s in queues.values())
-                self.stdout.write(_removal_text(removal, queues, exchanges, jobs, consumers))
+                self.stdout.write(
+                    _removal_text(removal, queues, exchanges, jobs, consumers, options["verbosity"])
+                )
                 if not queues and not exchanges:
                     self.stdout.write(f"Nothing of {removal.what} is on the broker.")
                     return
@@ -242,8 +244,8 @@ class Command(BaseCommand):
         elif report.changed:
             self.stdout.write(
                 self.style.SUCCESS(
-                    f"Declared topology {plan.topology_id}: created {len(report.created)} "
-                    f"exchanges and queues, {len(report.existing)} already present; "
+                    f"Declared topology {plan.topology_id}, {plan.size()}: created "
+                    f"{len(report.created)}, {len(report.existing)} already present; "
                     f"{report.bindings} bindings."
                 )
             )
@@ -253,8 +255,7 @@ class Command(BaseCommand):
             self.stdout.write(
                 self.style.SUCCESS(
                     f"Topology {plan.topology_id} is already declared: nothing changed "
-                    f"({len(report.existing)} exchanges and queues present, "
-                    f"{report.bindings} bindings confirmed)."
+                    f"({plan.size()}, all present; {report.bindings} bindings confirmed)."
                 )
             )
 
@@ -298,20 +299,31 @@ def _holding(jobs: int, consumers: int) -> str:
 
 
 def _removal_text(
-    removal: Removal, queues: dict[str, Any], exchanges: list[str], jobs: int, consumers: int
+    removal: Removal,
+    queues: dict[str, Any],
+    exchanges: list[str],
+    jobs: int,
+    consumers: int,
+    verbosity: int = 1,
 ) -> str:
+    """What ``--delete`` would remove: the counts, the queues that hold messages or have
+    consumers, and every name with ``-v 2``."""
     lines = [
         f"{removal.what}: {_count(len(queues), 'queue')} and "
         f"{_count(len(exchanges), 'exchange')} on the broker"
         + (f", {_holding(jobs, consumers)}" if jobs or consumers else ", no job in them")
-        + ":"
+        + ("." if verbosity < 2 else ":")
     ]
     for name, stats in queues.items():
         kind = "record" if name in removal.bookkeeping else "job"
         held = [f"{_count(stats.messages, kind)}"] if stats.messages else []
         held += [f"{_count(stats.consumers, 'consumer')}"] if stats.consumers else []
-        lines.append(f"  queue     {name}" + (f"  ({', '.join(held)})" if held else ""))
-    lines += [f"  exchange  {name}" for name in exchanges]
+        if held or verbosity > 1:
+            lines.append(f"  queue     {name}" + (f"  ({', '.join(held)})" if held else ""))
+    if verbosity > 1:
+        lines += [f"  exchange  {name}" for name in exchanges]
+    elif queues or exchanges:
+        lines.append("  (every name: -v 2)")
     return "\n".join(lines)
 
 

@@ -24,6 +24,9 @@ class Command(BaseCommand):
         actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
         listing = actions.add_parser("list", help="Show the failed jobs.")
         listing.add_argument("--json", action="store_true", help="A JSON list of objects.")
+        listing.add_argument(
+            "--tracebacks", action="store_true", help="Each entry's traceback too."
+        )
         retry = actions.add_parser("retry", help="Defer failed jobs again (a fresh attempt 1).")
         retry.add_argument("ids", nargs="*", metavar="ID")
         retry.add_argument("--all", action="store_true", help="Every failed job.")
@@ -47,7 +50,11 @@ class Command(BaseCommand):
         action = options["action"]
         try:
             if action == "list":
-                self._list(failures.list_failed(settings), as_json=options["json"])
+                self._list(
+                    failures.list_failed(settings),
+                    as_json=options["json"],
+                    tracebacks=options["tracebacks"] or options["verbosity"] > 1,
+                )
                 return
             ids = self._ids(options)
             if action == "retry":
@@ -91,7 +98,11 @@ class Command(BaseCommand):
         answer = input(f"Purge {len(chosen)} failed job{pluralize(len(chosen))} for good? [y/N] ")
         return answer.strip().lower() in ("y", "yes")
 
-    def _list(self, entries: list[failures.FailedJob], *, as_json: bool) -> None:
+    def _list(
+        self, entries: list[failures.FailedJob], *, as_json: bool, tracebacks: bool = False
+    ) -> None:
+        """Each entry: a line for the job, then its whole error, indented; its traceback
+        too with ``--tracebacks`` or ``-v 2`` (and in ``--json``)."""
         if as_json:
             self.stdout.write(json.dumps([e.to_json() for e in entries], indent=2))
             return
@@ -99,12 +110,17 @@ class Command(BaseCommand):
             self.stdout.write("No failed jobs.")
             return
         for e in entries:
-            error = (e.error or "").splitlines()[0][:120] if e.error else ""
             self.stdout.write(
                 f"{e.id}  {e.task or '?'}  {e.reason}  attempts={e.attempts or '?'}  "
-                f"failed_at={e.failed_at or '?'}  {error}"
+                f"failed_at={e.failed_at or '?'}"
             )
-        self.stdout.write(f"{len(entries)} failed job{pluralize(len(entries))}.")
+            for line in (e.error or "(no error recorded)").splitlines():
+                self.stdout.write(f"    {line}")
+            if tracebacks and e.traceback:
+                for line in e.traceback.rstrip().splitlines():
+                    self.stdout.write(f"      {line}")
+        more = "" if tracebacks else " Tracebacks: --tracebacks, or --json."
+        self.stdout.write(f"{len(entries)} failed job{pluralize(len(entries))}.{more}")
 
     def _report(self, outcome: failures.Outcome, verb: str) -> None:
         if outcome.done:

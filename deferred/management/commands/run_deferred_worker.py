@@ -24,6 +24,31 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
 _LEVELS = {0: logging.WARNING, 1: logging.INFO, 2: logging.DEBUG, 3: logging.DEBUG}
 
 
+def _default_logging(level: int, verbosity: int) -> None:
+    """Log to stderr, with timestamps, when the project's ``LOGGING`` says nothing of
+    where records go: the worker's lines and the tasks' own (``logger.info()`` in a
+    task shows, where Python's last-resort handler would print warnings alone, bare).
+
+    The root logger gets the handler, at INFO (DEBUG is ``deferred``'s alone with
+    ``-v 2``: other libraries' debug lines would drown it); pika stays at WARNING,
+    its INFO lines being one per connection and channel. A project that configured
+    a root or ``deferred`` handler keeps its own; ``-v`` still sets ``deferred``'s level.
+    """
+    deferred = logging.getLogger("deferred")
+    root = logging.getLogger()
+    if not deferred.handlers and not root.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter(LOG_FORMAT))
+        root.addHandler(handler)
+        root.setLevel(max(level, logging.INFO))
+        deferred.setLevel(level)
+        pika = logging.getLogger("pika")
+        if pika.level == logging.NOTSET:
+            pika.setLevel(logging.WARNING)
+    elif verbosity != 1:
+        deferred.setLevel(level)
+
+
 def _positive_int(value: str) -> int:
     try:
         number = int(value)
@@ -125,16 +150,7 @@ class Command(BaseCommand):
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
-        logger = logging.getLogger("deferred")
-        level = _LEVELS.get(options["verbosity"], logging.INFO)
-        if not logger.handlers and not logging.getLogger().handlers:
-            # Nothing in LOGGING for us: log to stderr so the worker is never silent.
-            handler = logging.StreamHandler(sys.stderr)
-            handler.setFormatter(logging.Formatter(LOG_FORMAT))
-            logger.addHandler(handler)
-            logger.setLevel(level)
-        elif options["verbosity"] != 1:
-            logger.setLevel(level)
+        _default_logging(_LEVELS.get(options["verbosity"], logging.INFO), options["verbosity"])
         if options["processes"] > 1:
             self._supervise(options)
             return
