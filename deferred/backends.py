@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import json
 import logging
 import re
 import sys
@@ -28,7 +29,7 @@ import threading
 import traceback
 from collections import OrderedDict
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from functools import partial
 from importlib import metadata
@@ -108,6 +109,27 @@ TaskResultStatus = _base.TaskResultStatus
 #: The queue name ``@task`` gives a task that names none.
 DEFAULT_TASK_QUEUE_NAME: str = _base.DEFAULT_TASK_QUEUE_NAME
 
+
+def _json_normalizer() -> Any:
+    """The framework's own ``normalize_json`` (what its backends make of a return value),
+    or ``json.loads(json.dumps(...))`` where it has none."""
+    for module in ("django.utils.json", f"{_package}.utils"):
+        try:
+            return importlib.import_module(module).normalize_json
+        except (ImportError, AttributeError):
+            continue
+    return lambda value: json.loads(json.dumps(value))
+
+
+normalize_json = _json_normalizer()
+
+
+class ReturnValueNotJSON(TypeError):
+    """A django.tasks task returned a value JSON cannot carry. Its result is FAILED with
+    this error, as the framework's own backends make it, and it is not retried: the
+    function ran, and would return the same again."""
+
+
 logger = logging.getLogger(__name__)
 
 #: The result ``enqueue()`` is about to return, while a test mode may run the
@@ -115,7 +137,7 @@ logger = logging.getLogger(__name__)
 #: the framework's ImmediateBackend does, instead of a result nobody sees.
 _enqueuing: ContextVar[Any] = ContextVar("deferred_enqueuing", default=None)
 
-__all__ = ["InvalidTask", "RabbitMQBackend", "resolve_django_task"]
+__all__ = ["InvalidTask", "RabbitMQBackend", "ReturnValueNotJSON", "resolve_django_task"]
 
 #: OPTIONS this backend understands; each defaults to the DEFERRED key of the same name.
 OPTION_NAMES = ("ON_COMMIT", "MAX_RETRIES", "RETRY_BACKOFF", "TIME_LIMIT")
@@ -306,12 +328,14 @@ class RabbitMQBackend(BaseTaskBackend):  # type: ignore[misc]
             args=found.args,
             kwargs=found.kwargs,
             due=found.enqueued_at or utcnow(),
-            queue="",
+            queue=found.queue or "",
             backend=self.alias,
         )
         try:
-            return resolve_django_task(job).task
-        except UnknownTask as exc:
+            task = resolve_django_task(job).task
+            # As it was enqueued: the queue (above), the priority and the run_after.
+            return task.using(priority=found.priority, run_after=found.run_after)
+        except (UnknownTask, InvalidTask) as exc:
             raise TaskResultDoesNotExist(f"{found.id!r}: {exc}") from None
 
     def _enqueuing(self, task: Any, args: Any, kwargs: Any) -> _Enqueuing:
@@ -559,7 +583,13 @@ class DjangoTask:
     backend: RabbitMQBackend
 
     def run(
-        self, job: Job, worker_id: str, *, retries: bool = True, watch: Watch | None = None
+        self,
+        job: Job,
+        worker_id: str,
+        *,
+        retries: bool = True,
+        watch: Watch | None = None,
+        started: datetime | None = None,
     ) -> Any:
         """Run one attempt with the framework's signals and, if asked for, its context.
 
@@ -570,7 +600,9 @@ class DjangoTask:
         attempt that is retried as a failed task. ``retries`` is false where
         nothing retries (``deferred.testing``).
         """
-        now = timezone.now()
+        # The attempt's start as its results record has it: the signals' TaskResult and
+        # get_result()'s agree to the microsecond.
+        now = started or timezone.now()
         fields = {
             "status": TaskResultStatus.RUNNING,
             "started_at": now,
@@ -584,6 +616,8 @@ class DjangoTask:
             for name, value in fields.items():
                 object.__setattr__(result, name, value)
         else:
+            first_start, errors = _earlier_attempts(job)
+            fields["started_at"] = first_start or now
             result = TaskResult(
                 task=self.task,
                 id=job.id,
@@ -592,7 +626,7 @@ class DjangoTask:
                 args=list(job.args),
                 kwargs=dict(job.kwargs),
                 backend=self.backend.alias,
-                errors=[],
+                errors=errors,
                 **fields,
             )
         _send("task_started", type(self.backend), result)
@@ -619,16 +653,54 @@ class DjangoTask:
             # Inside the except block: the framework's handler logs exc_info.
             _send("task_finished", type(self.backend), result)
             raise
+        try:
+            value = normalize_json(value)
+        except (TypeError, ValueError) as exc:
+            error = ReturnValueNotJSON(
+                f"Task {self.task.module_path} returned a {type(value).__name__}, which JSON "
+                f"cannot carry ({exc}): a django.tasks return value must be JSON-serialisable."
+            )
+            error.__cause__ = exc
+            result.errors.append(
+                TaskError(
+                    exception_class_path=f"{__name__}.ReturnValueNotJSON",
+                    traceback="".join(traceback.format_exception(error)),
+                )
+            )
+            _finish(result, TaskResultStatus.FAILED)
+            _send("task_finished", type(self.backend), result)
+            raise error from exc
         object.__setattr__(result, "_return_value", value)
         _finish(result, TaskResultStatus.SUCCESSFUL)
         _send("task_finished", type(self.backend), result)
         return value
 
     def retry_policy(self, settings: DeferredSettings) -> RetryPolicy:
-        return self.backend.retry_policy(settings)
+        policy = self.backend.retry_policy(settings)
+        return replace(policy, dont_retry_for=(*policy.dont_retry_for, ReturnValueNotJSON))
 
     def time_limit(self, settings: DeferredSettings) -> float | None:
         return self.backend.time_limit(settings)
+
+
+#: How long a retried attempt may spend reading what its earlier attempts recorded.
+EARLIER_TIMEOUT_S = 2.0
+
+
+def _earlier_attempts(job: Job) -> tuple[datetime | None, list[Any]]:
+    """For a retried attempt: when the first attempt started and every earlier attempt's
+    error, as the results say, so that the ``TaskResult`` the signals carry is the one
+    ``get_result()`` gives. ``(None, [])`` for a first attempt, or when the results
+    cannot say (off, or unreadable: the signals then carry this attempt alone)."""
+    if job.attempt <= 1:
+        return None, []
+    try:
+        found = result(job.id, timeout=EARLIER_TIMEOUT_S)
+    except Exception as exc:  # noqa: BLE001 - the run goes on without the history
+        logger.info("job=%s: its earlier attempts could not be read (%s).", job.id, exc)
+        return None, []
+    errors = [TaskError(exception_class_path=e.type, traceback=e.traceback) for e in found.errors]
+    return found.started_at, errors
 
 
 def _finish(result: Any, status: Any) -> None:

@@ -310,7 +310,7 @@ class Pipeline:
             close_old_connections()
             with tracing.consumer_span(job, delivery.headers, job.queue, lateness_ms):
                 try:
-                    value = task.run(job, self.worker_id, watch=watch)
+                    value = task.run(job, self.worker_id, watch=watch, started=started)
                 finally:
                     # At once: a soft limit passing now must not reach the code below.
                     if watch is not None:

@@ -181,6 +181,11 @@ class Result:
     args: tuple[Any, ...] = ()
     kwargs: dict[str, Any] = field(default_factory=dict)
     enqueued_at: datetime | None = None
+    #: django.tasks jobs: the DEFERRED queue, the priority and the ``run_after`` (its first
+    #: due time; ``None`` for a task enqueued to run at once) it was enqueued with.
+    queue: str | None = None
+    priority: int = 0
+    run_after: datetime | None = None
     #: False when the look-up ran out of its ``timeout`` before it could rule out
     #: later records: the state is what the records read by then add up to.
     complete: bool = True
@@ -411,6 +416,9 @@ def fold(job_id: str, records: Iterable[dict[str, Any]]) -> Result:
                 "args": tuple(record.get("args") or ()),
                 "kwargs": dict(record.get("kwargs") or {}),
                 "enqueued_at": _moment(record.get("c")),
+                "queue": record.get("q") if isinstance(record.get("q"), str) else None,
+                "priority": record.get("p") if type(record.get("p")) is int else 0,
+                "run_after": _moment(record.get("ra")),
             }
         # A final record of an attempt that ended within STARTED_AFTER_S carries
         # its start ("st", "w"): that attempt had no "started" record of its own.
@@ -776,8 +784,15 @@ def _with_call(record: dict[str, Any], job: Job) -> dict[str, Any]:
     record (a job cancelled before it started has no "started" one)."""
     if job.backend is not None:
         record.update(
-            b=job.backend, args=list(job.args), kwargs=job.kwargs, c=job.created.isoformat()
+            b=job.backend,
+            args=list(job.args),
+            kwargs=job.kwargs,
+            c=job.created.isoformat(),
+            q=job.queue,
+            p=job.priority,
         )
+        if job.due > job.created:
+            record["ra"] = job.due.isoformat()  # enqueued with a run_after
     return record
 
 

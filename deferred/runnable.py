@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
+from datetime import datetime
 from typing import TYPE_CHECKING, Any, Protocol
 
 from django.core.exceptions import ImproperlyConfigured
@@ -29,14 +30,21 @@ class Runnable(Protocol):
     """A job's function, ready to run."""
 
     def run(
-        self, job: Job, worker_id: str, *, retries: bool = True, watch: Watch | None = None
+        self,
+        job: Job,
+        worker_id: str,
+        *,
+        retries: bool = True,
+        watch: Watch | None = None,
+        started: datetime | None = None,
     ) -> Any:
         """Run one attempt of ``job``; raise what the function raised.
 
         ``retries`` says whether a failure of this attempt may be retried
         (false in the test modes, which never retry). ``watch``: the
         attempt's time limit, which an ``async def`` function's event loop
-        enforces (:func:`deferred.limits.run_async`).
+        enforces (:func:`deferred.limits.run_async`). ``started``: when the
+        attempt started, as its results record says (default: now).
         """
 
     def retry_policy(self, settings: DeferredSettings) -> RetryPolicy:
@@ -53,7 +61,13 @@ class RegisteredTask:
     task: Task[..., Any]
 
     def run(
-        self, job: Job, worker_id: str, *, retries: bool = True, watch: Watch | None = None
+        self,
+        job: Job,
+        worker_id: str,
+        *,
+        retries: bool = True,
+        watch: Watch | None = None,
+        started: datetime | None = None,
     ) -> Any:
         """Call the function; an ``async def`` one is run to its end here.
 

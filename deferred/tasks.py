@@ -216,7 +216,9 @@ def check_call(
 def _signature(func: Callable[..., Any]) -> inspect.Signature | None:
     """``func``'s signature, computed once: it is most of what checking a call costs."""
     try:
-        return inspect.signature(func)
+        # Not follow_wrapped: the callable that runs is the wrapper a decorator made
+        # (functools.wraps), whose own parameters say what it takes.
+        return inspect.signature(func, follow_wrapped=False)
     except (TypeError, ValueError):  # builtins without a signature
         return None
 

@@ -624,3 +624,130 @@ def test_a_job_of_defer_is_no_task_result(clean, run_worker):
     assert wait_for(lambda: read(job_id).state == "succeeded", 15)
     with pytest.raises(_api.exceptions.TaskResultDoesNotExist, match="not a task"):
         _api.task_backends["default"].get_result(job_id)
+
+
+def test_result_task_read_in_another_process_is_the_task_that_was_enqueued(clean, run_worker):
+    # Given a task enqueued to another queue, with a priority and a run_after
+    when = datetime.now(UTC) + timedelta(milliseconds=300)
+    result = double.using(queue_name="other", priority=5, run_after=when).enqueue(2)
+    run_worker(concurrency=1)
+    assert wait_for(lambda: _succeeded(result), 15), result.status
+
+    # When another process (none of this one's memory) reads it
+    from deferred import backends
+
+    backends._enqueued.clear()
+    fresh = _api.task_backends["default"].get_result(result.id)
+
+    # Then its task is the one enqueued: path, queue, priority, run_after, backend
+    assert fresh.task.module_path == double.module_path
+    assert fresh.task.queue_name == "other" and fresh.task.priority == 5
+    assert fresh.task.backend == "default"
+    assert abs((fresh.task.run_after - when).total_seconds()) < 0.01, fresh.task.run_after
+
+
+def _succeeded(result) -> bool:
+    result.refresh()
+    return result.status == _api.TaskResultStatus.SUCCESSFUL
+
+
+def test_a_return_value_json_cannot_carry_fails_the_task_with_a_type_error(clean, run_worker):
+    # Given a task that returns a lambda, with retries allowed
+    from deferred.backends import ReturnValueNotJSON
+
+    with override_settings(
+        TASKS={
+            "default": {
+                "BACKEND": "deferred.backends.RabbitMQBackend",
+                "OPTIONS": {"MAX_RETRIES": 2, "RETRY_BACKOFF": [0.1]},
+            }
+        }
+    ):
+        from tests.testapp.framework_tasks import returns_a_lambda
+
+        result = returns_a_lambda.enqueue()
+        run_worker(concurrency=1)
+
+        def failed() -> bool:
+            result.refresh()
+            return result.status == _api.TaskResultStatus.FAILED
+
+        # Then it reads FAILED with a TypeError, as under the framework's own backends
+        assert wait_for(failed, 15), result.status
+    (error,) = result.errors  # not retried: it ran, and would return the same again
+    assert issubclass(error.exception_class, TypeError)
+    assert error.exception_class is ReturnValueNotJSON
+    assert "JSON" in error.traceback and "function" in error.traceback
+    assert wait_for(lambda: any(e.id == result.id for e in list_failed(get_settings())), 10)
+
+
+def test_the_signals_carry_what_get_result_gives_for_a_retried_task(clean, run_worker, tmp_path):
+    # Given receivers of the framework's signals, and a task that fails once
+    seen: list[tuple[str, object, object, list[str]]] = []
+
+    def receiver(signal_name):
+        def receive(sender, task_result, **kwargs):
+            seen.append(
+                (
+                    signal_name,
+                    task_result.started_at,
+                    task_result.last_attempted_at,
+                    [e.exception_class_path for e in task_result.errors],
+                )
+            )
+
+        return receive
+
+    started, finished = receiver("started"), receiver("finished")
+    _signals.task_started.connect(started)
+    _signals.task_finished.connect(finished)
+    path = tmp_path / "attempts.jsonl"
+    try:
+        with override_settings(
+            TASKS={
+                "default": {
+                    "BACKEND": "deferred.backends.RabbitMQBackend",
+                    "OPTIONS": {"MAX_RETRIES": 1, "RETRY_BACKOFF": [0.5]},
+                }
+            }
+        ):
+            result = flaky.enqueue(str(path), 1)
+            run_worker(concurrency=1)
+            assert wait_for(lambda: _succeeded(result), 20), result.status
+            assert wait_for(lambda: len(seen) == 4, 5), seen
+    finally:
+        _signals.task_started.disconnect(started)
+        _signals.task_finished.disconnect(finished)
+
+    # Then the second attempt's signals carry the first attempt's start and its error,
+    # and this attempt's own start, as get_result() does
+    (
+        (s1, s1_start, s1_last, s1_errors),
+        (f1, *_),
+        (s2, s2_start, s2_last, s2_errors),
+        (
+            f2,
+            f2_start,
+            f2_last,
+            f2_errors,
+        ),
+    ) = seen
+    assert (s1, f1, s2, f2) == ("started", "finished", "started", "finished")
+    assert s2_start == s1_start == f2_start and s2_last > s1_last
+    assert s1_errors == [] and s2_errors == f2_errors == ["builtins.RuntimeError"]
+    assert f2_last == s2_last
+    assert result.started_at == s1_start
+    assert [e.exception_class_path for e in result.errors] == f2_errors
+
+
+def test_the_argument_check_judges_the_wrapper_a_decorator_made(clean, run_worker):
+    from tests.testapp.framework_tasks import wrapped_double
+
+    # A keyword only the wrapper takes (as django-periodic-tasks' @exactly_once passes)
+    result = wrapped_double.enqueue(4, _execution_id="run-1")
+    run_worker(concurrency=1)
+    assert wait_for(lambda: _succeeded(result), 15), result.status
+    assert result.return_value == 8
+    # A call the wrapper itself cannot take is still refused at once
+    with pytest.raises(TypeError, match="Bad arguments"):
+        double.enqueue(1, 2)

@@ -1,6 +1,7 @@
 """django.tasks tasks (Django 6, or the django-tasks backport on 5.2) for the
 backend's tests; the first is the example of Django's documentation."""
 
+import functools
 import json
 import os
 import time
@@ -62,3 +63,26 @@ async def spin_async(path, label):
     with open(path, "a") as f:
         f.write(json.dumps({"label": label, "event": "start"}) + "\n")
     await asyncio.sleep(60)
+
+
+@task
+def returns_a_lambda():
+    """Returns what JSON cannot carry (the framework's own backends mark it FAILED)."""
+    return lambda: None
+
+
+def exactly_once(func):
+    """A decorator in the manner of django-periodic-tasks' ``@exactly_once``: its wrapper
+    takes a keyword the function does not, and drops it."""
+
+    @functools.wraps(func)
+    def wrapper(*args, _execution_id=None, **kwargs):
+        return func(*args, **kwargs)
+
+    return wrapper
+
+
+@task
+@exactly_once
+def wrapped_double(n):
+    return 2 * n
