@@ -47,7 +47,16 @@ from deferred.delays import delay_ms
 from deferred.jobs import Job, new_job_id, utcnow
 from deferred.limits import Watch, parse_time_limit, run_async
 from deferred.publishing import submit
-from deferred.results import CANCELLED, FAILED, PENDING, RUNNING, SUCCEEDED, Result, result
+from deferred.results import (
+    CANCELLED,
+    FAILED,
+    PENDING,
+    RUNNING,
+    SUCCEEDED,
+    Result,
+    lookup,
+    result,
+)
 from deferred.retries import (
     Backoff,
     RetryPolicy,
@@ -334,7 +343,9 @@ class RabbitMQBackend(BaseTaskBackend):  # type: ignore[misc]
         try:
             task = resolve_django_task(job).task
             # As it was enqueued: the queue (above), the priority and the run_after.
-            return task.using(priority=found.priority, run_after=found.run_after)
+            if found.priority is not None:
+                task = task.using(priority=found.priority)
+            return task.using(run_after=found.run_after) if found.run_after else task
         except (UnknownTask, InvalidTask) as exc:
             raise TaskResultDoesNotExist(f"{found.id!r}: {exc}") from None
 
@@ -655,7 +666,7 @@ class DjangoTask:
             raise
         try:
             value = normalize_json(value)
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, RecursionError) as exc:
             error = ReturnValueNotJSON(
                 f"Task {self.task.module_path} returned a {type(value).__name__}, which JSON "
                 f"cannot carry ({exc}): a django.tasks return value must be JSON-serialisable."
@@ -683,8 +694,9 @@ class DjangoTask:
         return self.backend.time_limit(settings)
 
 
-#: How long a retried attempt may spend reading what its earlier attempts recorded.
-EARLIER_TIMEOUT_S = 2.0
+#: How long a retried attempt may spend reading what its earlier attempts recorded (out
+#: of its time limit: the read runs as the attempt starts).
+EARLIER_TIMEOUT_S = 1.0
 
 
 def _earlier_attempts(job: Job) -> tuple[datetime | None, list[Any]]:
@@ -694,8 +706,11 @@ def _earlier_attempts(job: Job) -> tuple[datetime | None, list[Any]]:
     cannot say (off, or unreadable: the signals then carry this attempt alone)."""
     if job.attempt <= 1:
         return None, []
+    settings = get_settings()
+    if not settings.results:
+        return None, []
     try:
-        found = result(job.id, timeout=EARLIER_TIMEOUT_S)
+        found = lookup(settings, job.id, timeout=EARLIER_TIMEOUT_S)
     except Exception as exc:  # noqa: BLE001 - the run goes on without the history
         logger.info("job=%s: its earlier attempts could not be read (%s).", job.id, exc)
         return None, []

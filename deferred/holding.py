@@ -150,7 +150,7 @@ class Holder:
                     with self._lock:
                         for entry in due:
                             entry.state = HANDED_BACK
-                    for entry in due:
+                    for entry in sorted(due, key=lambda e: -e.rank):
                         self._hand_back(entry)
             # Highest priority first, then in due order: back in a queue whose levels
             # are coarser than the priorities, they keep that order among themselves.

@@ -184,7 +184,8 @@ class Result:
     #: django.tasks jobs: the DEFERRED queue, the priority and the ``run_after`` (its first
     #: due time; ``None`` for a task enqueued to run at once) it was enqueued with.
     queue: str | None = None
-    priority: int = 0
+    #: ``None`` in records written before it was recorded: the task's own then stands.
+    priority: int | None = None
     run_after: datetime | None = None
     #: False when the look-up ran out of its ``timeout`` before it could rule out
     #: later records: the state is what the records read by then add up to.
@@ -417,7 +418,7 @@ def fold(job_id: str, records: Iterable[dict[str, Any]]) -> Result:
                 "kwargs": dict(record.get("kwargs") or {}),
                 "enqueued_at": _moment(record.get("c")),
                 "queue": record.get("q") if isinstance(record.get("q"), str) else None,
-                "priority": record.get("p") if type(record.get("p")) is int else 0,
+                "priority": record.get("p") if type(record.get("p")) is int else None,
                 "run_after": _moment(record.get("ra")),
             }
         # A final record of an attempt that ended within STARTED_AFTER_S carries
@@ -791,8 +792,9 @@ def _with_call(record: dict[str, Any], job: Job) -> dict[str, Any]:
             q=job.queue,
             p=job.priority,
         )
-        if job.due > job.created:
-            record["ra"] = job.due.isoformat()  # enqueued with a run_after
+        first_due = due_of(job.id)
+        if first_due is not None and first_due > job.created:
+            record["ra"] = first_due.isoformat()  # enqueued with a run_after
     return record
 
 

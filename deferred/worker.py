@@ -270,7 +270,9 @@ class Worker:
                         logger.critical("Worker stopping: %s", exc)
                         raise
                     if self._stopping.is_set():
-                        if not isinstance(exc, TopologyNotDeclared):
+                        if isinstance(exc, TopologyNotDeclared):
+                            logger.debug("Stopping, with no topology: %s", exc)
+                        else:
                             logger.error("Broker lost while stopping: %s", exc)
                         break
                     if isinstance(exc, TopologyNotDeclared):
@@ -504,7 +506,7 @@ class Worker:
 
     def _hand_back_held(self) -> None:
         """Stopping: every job held and not started goes back at once."""
-        left = self.holder.stop()
+        left = sorted(self.holder.stop(), key=lambda e: -e.rank)  # highest priority first
         if left:
             self._hand_back([(e.delivery, e.job) for e in left], "the worker is stopping")
 

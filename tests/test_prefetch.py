@@ -6,7 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from deferred.broker.consumer import PROBE_CAP_S, PROBE_FIRST_S, Slots, pinned_prefetch
+from deferred.broker.consumer import (
+    LEND_PROBE_CAP_S,
+    PROBE_CAP_S,
+    PROBE_FIRST_S,
+    Slots,
+    pinned_prefetch,
+)
 
 A, B, C = "ready.a", "ready.b", "ready.c"
 
@@ -181,12 +187,35 @@ def test_a_lone_job_costs_one_look_and_no_cancel():
     slots = Slots(2, [A, B])
     slots.took(1, A, pinned=True, now=0.0)
     probe = Probe()  # A holds nothing more
-    assert slots.to_release(0.0, probe) is None and probe.asked == [[A]]
+    assert slots.to_release(0.0, probe) is None and probe.asked == [[A, B]]
     # A lost its turn: looked into again only once the wait between looks is over
-    assert slots.to_release(0.0, probe) is None and probe.asked == [[A]]
+    assert slots.to_release(0.0, probe) is None and probe.asked == [[A, B]]
     wait = slots.wait(10.0, 0.0)
     assert 0 < wait <= PROBE_CAP_S
-    assert slots.to_release(wait, probe) is None and probe.asked == [[A], [A]]
+    assert slots.to_release(wait, probe) is None and probe.asked == [[A, B], [A, B]]
+
+
+def test_a_long_job_behind_a_full_consumer_costs_fewer_and_fewer_looks():
+    # Given concurrency 2 over two queues, A's consumer running a long job, B idle
+    slots = Slots(2, [A, B])
+    slots.took(1, A, pinned=True, now=0.0)
+    probe, now, waits = Probe(), 0.0, []
+    for _ in range(12):
+        slots.to_release(now, probe)
+        wait = slots.wait(10.0, now)
+        waits.append(wait)
+        now += wait
+    # Then the looks slow down to LEND_PROBE_CAP_S, not every 50 ms for as long as it runs
+    assert waits[-1] == pytest.approx(LEND_PROBE_CAP_S)
+    assert len(probe.asked) <= 12
+
+
+def test_an_idle_queue_with_a_job_on_its_way_keeps_its_consumer():
+    slots = Slots(2, [A, B])
+    slots.took(1, A, pinned=True, now=0.0)
+    # A holds more, but so does B: B's consumer is about to be pushed one, keep it
+    assert slots.to_release(0.0, Probe(A, B)) is None
+    assert B in slots.consuming
 
 
 def test_jobs_that_arrive_behind_a_busy_consumer_borrow_an_idle_queues_slot():

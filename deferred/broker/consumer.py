@@ -66,6 +66,10 @@ PROBE_FIRST_S = 0.002
 #: and the wait doubles while they stay empty, up to this: how late a job may
 #: start for want of a consumer on its queue, against how often an idle worker asks.
 PROBE_CAP_S = 0.05
+#: With every slot taken or kept by a consumer, a queue whose consumer is busy is looked
+#: into (for jobs an idle queue's consumer could lend its slot to) after a wait that
+#: doubles up to this: a long job must not cost the broker a passive declare every 50 ms.
+LEND_PROBE_CAP_S = 0.5
 #: Messages of the legacy queues in flight to the forwarder at once.
 FORWARD_PREFETCH = 50
 #: A job's thread that finds the I/O thread silent for this long (the process was
@@ -167,6 +171,9 @@ class Slots:
         self._probe_wait = PROBE_FIRST_S
         #: When the queues not known to hold jobs are looked into next, while some are.
         self._aside_at = 0.0
+        #: When the busy queues are looked into next for a consumer to lend (to_release).
+        self._lend_at = 0.0
+        self._lend_wait = PROBE_FIRST_S
 
     def room(self, queue: str) -> int:
         """How many more jobs ``queue``'s consumer may be pushed: 0 without a consumer."""
@@ -193,6 +200,7 @@ class Slots:
         if not pinned or queue in self.unseen():
             self._candidates.append(queue)
         self._probe_at, self._probe_wait = now, PROBE_FIRST_S
+        self._lend_at, self._lend_wait = now, PROBE_FIRST_S
 
     def settled(self, tag: int) -> None:
         self._held.pop(tag, None)
@@ -233,30 +241,35 @@ class Slots:
 
         ``probe`` is asked first whether the queues that may hold jobs do: those
         known to have had one (a consumer was just pushed a job, and may have no
-        other), else, once the wait between looks is over, every unseen queue. A
-        queue found empty loses its turn: a lone job costs a look, not a cancel and
-        a consume.
+        other), else, once the wait between looks is over (it doubles up to
+        :data:`LEND_PROBE_CAP_S` while nothing is found), every unseen queue. A
+        queue found empty loses its turn: a lone job costs a look, not a cancel
+        and a consume. The idle queue is asked about too, and keeps its consumer
+        if it holds a job.
         """
         idle = self._idle() if self.free() <= 0 else None
         if idle is None:
             return None
         unseen = self.unseen()
         waiting = [q for q in self._candidates if q in unseen]
-        if waiting:
-            self._probe_at = max(self._probe_at, now + self._probe_wait)
-        else:
-            if not unseen or now < self._probe_at:
+        if not waiting:
+            if not unseen or now < self._lend_at:
                 return None
-            self._probe_at = now + self._probe_wait
-            self._probe_wait = min(self._probe_wait * 2, PROBE_CAP_S)
             waiting = unseen
-        found = probe(waiting)
+        self._lend_at = now + self._lend_wait
+        self._lend_wait = min(self._lend_wait * 2, LEND_PROBE_CAP_S)
+        # The idle queue is looked into too: one with a job on its way to its own
+        # consumer keeps it (a job pushed as the consumer is cancelled would go back to
+        # its queue, marked redelivered).
+        found = probe([*waiting, idle])
         for queue in waiting:
             if queue in self._candidates and queue not in found:
                 self._candidates.remove(queue)
             elif queue in found and queue not in self._candidates:
                 self._candidates.append(queue)
-        return idle if found else None
+        if idle in found:
+            return None
+        return idle if any(q in found for q in waiting) else None
 
     def _idle(self) -> str | None:
         """A queue whose consumer has room and no known job waiting: the last such."""
@@ -288,7 +301,7 @@ class Slots:
         if not self.unseen() or (self.free() <= 0 and self._idle() is None):
             return seconds
         if self.free() <= 0:
-            return max(0.0, min(seconds, self._probe_at - now))
+            return max(0.0, min(seconds, self._lend_at - now))
         if self._candidates:
             return max(0.0, min(seconds, self._aside_at - now))
         return max(0.0, min(seconds, self._probe_at - now))

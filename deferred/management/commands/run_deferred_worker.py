@@ -45,6 +45,11 @@ def _default_logging(level: int, verbosity: int) -> None:
         pika = logging.getLogger("pika")
         if pika.level == logging.NOTSET:
             pika.setLevel(logging.WARNING)
+        # Django's default LOGGING gives "django" a console handler of its own (shown
+        # with DEBUG on): its lines must not come out twice.
+        django_logger = logging.getLogger("django")
+        if django_logger.handlers:
+            django_logger.propagate = False
     elif verbosity != 1:
         deferred.setLevel(level)
 
