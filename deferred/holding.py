@@ -40,6 +40,8 @@ logger = logging.getLogger("deferred.worker")
 #: A released job that no thread has started after this long, while the pool
 #: started nothing either, goes back for another worker.
 HAND_BACK_AFTER_S = 0.05
+#: Released jobs this much younger than a stale one go back in its batch.
+HAND_BACK_GATHER_S = 0.02
 
 HELD, RELEASED, STARTED, HANDED_BACK = "held", "released", "started", "handed back"
 
@@ -175,10 +177,19 @@ class Holder:
                 stale = []
                 kept = []
                 stalled: bool | None = None  # asked once per round, if needed
+                # Jobs released within HAND_BACK_GATHER_S of a stale one go back with it,
+                # in one batch sorted by priority: jobs due together come off the timer
+                # a few at a time, and would otherwise go back in the order they came.
+                oldest = min(
+                    (e.released_at for e in self._released if e.state == RELEASED), default=now
+                )
+                ripe_after = self.hand_back_after_s - HAND_BACK_GATHER_S
+                if now - oldest < self.hand_back_after_s:
+                    ripe_after = self.hand_back_after_s
                 for entry in self._released:
                     if entry.state != RELEASED:
                         continue
-                    if now - entry.released_at >= self.hand_back_after_s:
+                    if now - entry.released_at >= ripe_after:
                         if stalled is None:
                             stalled = self._stalled(self.hand_back_after_s)
                         if stalled:

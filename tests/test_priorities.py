@@ -116,11 +116,12 @@ def test_held_jobs_due_behind_a_busy_thread_go_back_highest_priority_first(
     # Given a worker of concurrency 1 whose only thread is busy
     with held_topology(broker_url, QUEUE_TYPE=queue_type):
         run_worker(settings=get_settings(), concurrency=1, queues=["default"])
-        defer(sleepy, 0, records, "blocker", 3.0)
+        defer(sleepy, 0, records, "blocker", 4.5)
         assert wait_for(lambda: any(r["label"] == "blocker" for r in read_records(records)), 10)
-        # When 105 held jobs of priorities 1 and 9 come due while it runs (they go back
-        # to the ready queue for a free worker, all in one AMQP level)
-        defer_close_priorities(records, utcnow() + timedelta(seconds=1.5))
+        # When 105 held jobs of priorities 1 and 9 come due together while it runs (they
+        # go back to the ready queue for a free worker, all in one AMQP level); due in
+        # 3 s, so that all are held before they come due, however slow the broker
+        defer_close_priorities(records, utcnow() + timedelta(seconds=3))
         # Then the 9s still run first: they went back first
         positions = close_positions(records)
     assert positions == list(range(5)), positions
