@@ -86,3 +86,16 @@ def exactly_once(func):
 @exactly_once
 def wrapped_double(n):
     return 2 * n
+
+
+@task(takes_context=True)
+def own_id(context):
+    """Returns its own result id (the reference suites' ``get_task_id``)."""
+    return context.task_result.id
+
+
+@task
+def fails_with(kind, message):
+    """Raises ``ValueError(message)``, or ``SystemExit(message)`` (the reference suites'
+    ``failing_task_value_error`` and ``failing_task_system_exit``)."""
+    raise {"value": ValueError, "exit": SystemExit}[kind](message)
