@@ -36,7 +36,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -165,6 +165,9 @@ class Slots:
         self.consuming: set[str] = set(self.pinned)
         #: Unacked deliveries by tag: the queue whose consumer took it, ``None`` if a slot roamed.
         self._held: dict[int, str | None] = {}
+        #: How many of them each queue's consumer holds (``_held`` counted, kept as it
+        #: changes: the I/O thread asks several times a delivery).
+        self._pushed: Counter[str] = Counter()
         #: Queues thought to hold jobs, in turn: the next roaming slot takes from the first.
         self._candidates: deque[str] = deque()
         self._probe_at = 0.0
@@ -179,7 +182,7 @@ class Slots:
         """How many more jobs ``queue``'s consumer may be pushed: 0 without a consumer."""
         if queue not in self.consuming:
             return 0
-        return self.pinned[queue] - sum(1 for held in self._held.values() if held == queue)
+        return self.pinned[queue] - self._pushed[queue]
 
     def free(self) -> int:
         """Roaming slots with no job: the cap, less the jobs held and the consumers' room."""
@@ -193,6 +196,8 @@ class Slots:
     def took(self, tag: int, queue: str, *, pinned: bool, now: float) -> None:
         """A delivery from ``queue``, pushed to its consumer or taken by a roaming slot."""
         self._held[tag] = queue if pinned else None
+        if pinned:
+            self._pushed[queue] += 1
         # Where one job was, more may wait: that queue goes to the back of the
         # turn, behind the others with jobs, and they are looked into at once.
         if queue in self._candidates:
@@ -203,7 +208,9 @@ class Slots:
         self._lend_at, self._lend_wait = now, PROBE_FIRST_S
 
     def settled(self, tag: int) -> None:
-        self._held.pop(tag, None)
+        queue = self._held.pop(tag, None)
+        if queue is not None:
+            self._pushed[queue] -= 1
 
     def empty(self, queue: str) -> None:
         """``queue`` had no job to take: it loses its turn until it shows one."""
@@ -247,6 +254,8 @@ class Slots:
         and a consume. The idle queue is asked about too, and keeps its consumer
         if it holds a job.
         """
+        if len(self.pinned) < 2:
+            return None  # one queue's consumer, or none: nothing to lend
         idle = self._idle() if self.free() <= 0 else None
         if idle is None:
             return None
