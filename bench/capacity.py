@@ -2,10 +2,10 @@
 
 python -m bench.capacity [--rates 800,900,1000] [--seconds 20] [--rounds 2]
                          [--checkout NAME=PATH ...] [--skip-self] [--queue-type classic]
-                         [--profile DIR] [--out FILE]
+                         [--delays 0-3] [--profile DIR] [--out FILE]
 
 What a user runs: the public API and the library's default settings (radix 16,
-1 ms), delays uniform in 0-3 s, one worker (``run_deferred_worker
+1 ms), delays uniform in 0-3 s (``--delays``), one worker (``run_deferred_worker
 --concurrency 4``) and the producer in processes of their own. Each point gets a
 fresh topology and worker, a warm-up, then ``SECONDS`` of offered load. The
 checkouts take turns at each rate, so that a busy moment of the host does not
@@ -93,9 +93,15 @@ class Point:
     """One measured point: a topology, a worker and a producer for one checkout."""
 
     def __init__(
-        self, checkout: Checkout, queue_type: str, extra: dict[str, Any], work: Path
+        self,
+        checkout: Checkout,
+        queue_type: str,
+        extra: dict[str, Any],
+        work: Path,
+        delays: tuple[float, float] = (LOW_S, HIGH_S),
     ) -> None:
         self.checkout = checkout
+        self.delays = delays
         self.work = work
         self.prefix = f"deferred-e2e-{uuid.uuid4().hex[:8]}"
         self.seen = work / f"{self.prefix}.seen"
@@ -153,7 +159,8 @@ class Point:
     ) -> dict[str, Any]:
         """Run the producer; CPU of the broker and the worker over its measured window."""
         assert self.worker is not None
-        command = producer_command(rate, seconds, ids)
+        low, high = self.delays
+        command = producer_command(rate, seconds, ids, low=low, high=high)
         if profile is not None:
             command = [
                 "py-spy",
@@ -245,20 +252,21 @@ def measure(
     extra: dict[str, Any],
     profile: Path | None,
     logs: Path | None = None,
+    delays: tuple[float, float] = (LOW_S, HIGH_S),
 ) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="deferred-e2e-"))
-    point = Point(checkout, queue_type, extra, work)
+    point = Point(checkout, queue_type, extra, work, delays)
     try:
         point.start()
         # Warm-up: a second of light load through the same topology and worker.
         warm_ids = work / "warm.ids"
         point.produce(WARM_UP_RATE, WARM_UP_S, warm_ids)
-        time.sleep(HIGH_S + 0.5)
+        time.sleep(delays[1] + 0.5)
         ids_path = work / "point.ids"
         produced = point.produce(rate, seconds, ids_path, profile)
         ids = set(ids_path.read_text().split())
-        # Every job due by now + HIGH_S; give an overloaded worker 30 s more.
-        time.sleep(HIGH_S + 0.5)
+        # Every job due by now + the longest delay; give an overloaded worker 30 s more.
+        time.sleep(delays[1] + 0.5)
         before = point.succeeded()
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
@@ -371,6 +379,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--queue-type", default="classic")
     parser.add_argument(
+        "--delays",
+        default=f"{LOW_S:g}-{HIGH_S:g}",
+        metavar="LOW-HIGH",
+        help="delays uniform in LOW-HIGH seconds (0-0: every job due at once)",
+    )
+    parser.add_argument(
         "--checkout", action="append", default=[], help="NAME=PATH of another checkout"
     )
     parser.add_argument(
@@ -402,6 +416,8 @@ def main() -> None:
     for item in args.checkout:
         name, path = item.split("=", 1)
         checkouts.append(Checkout(name, Path(path).resolve()))
+    low, high = (float(v) for v in args.delays.split("-", 1))
+    delays = (low, high)
     extra = {k: json.loads(v) for k, v in (s.split("=", 1) for s in args.setting)}
     for item in args.variant:
         key, value = item.split("=", 1)
@@ -430,6 +446,7 @@ def main() -> None:
                     {**extra, **dict(checkout.settings)},
                     profile,
                     args.logs,
+                    delays,
                 )
                 points.append(point)
                 print(table([point]).splitlines()[-1], flush=True)

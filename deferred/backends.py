@@ -9,10 +9,10 @@ kinds from the same queues.
 
 Results: ``get_result()`` and ``aget_result()`` (so ``TaskResult.refresh()``)
 read the workers' records from the results stream (:mod:`deferred.results`),
-with no table. A task enqueued by this process reads ``READY`` until its
-first record; an id another process enqueued that has no record yet (not
-started) raises ``TaskResultDoesNotExist``, as an unknown id does: without a
-table nothing can tell the two apart. A cancelled or superseded task reads
+with no table. A task no worker has started reads ``READY`` in any process,
+from its record in the ledger stream (:mod:`deferred.pending`), the copy the
+broker keeps of every job published; the process that enqueued it answers
+from memory. A cancelled or superseded task reads
 ``FAILED`` with a :class:`deferred.results.JobCancelled` error, the
 framework having no status of its own for it.
 """
@@ -40,11 +40,12 @@ from django.core import checks
 from django.core.exceptions import ImproperlyConfigured
 from django.utils import timezone
 
+from deferred import pending
 from deferred.asynchronous import asubmit
 from deferred.conf import DeferredSettings, get_settings
 from deferred.context import running
 from deferred.delays import delay_ms
-from deferred.jobs import Job, new_job_id, utcnow
+from deferred.jobs import Job, due_of, new_job_id, utcnow
 from deferred.limits import Watch, parse_time_limit, run_async
 from deferred.publishing import submit
 from deferred.results import (
@@ -258,13 +259,14 @@ class RabbitMQBackend(BaseTaskBackend):  # type: ignore[misc]
         return enqueuing.result
 
     def get_result(self, result_id: str) -> Any:
-        """The task's result from the workers' records (``deferred.result()``).
+        """The task's result from the workers' records (``deferred.result()``), or, for a
+        task no worker has started, ``READY`` from its record in the ledger
+        (:mod:`deferred.pending`): in any process, once ``enqueue()`` returned.
 
-        ``TaskResultDoesNotExist`` for an id no record names (unknown, older
-        than ``RESULT_TTL``, not started yet and enqueued by another process,
-        or none found before the read ran out of time), and for a job that is
-        not this backend's; ``deferred.BrokerUnavailable`` if no broker node
-        answers.
+        ``TaskResultDoesNotExist`` for an id nothing names (unknown, older than
+        ``RESULT_TTL``, or none found before the read ran out of time), and
+        for a job that is not this backend's; ``deferred.BrokerUnavailable``
+        if no broker node answers.
         """
         try:
             found = result(result_id)
@@ -274,14 +276,18 @@ class RabbitMQBackend(BaseTaskBackend):  # type: ignore[misc]
             enqueued = _enqueued_here(result_id)
             if enqueued is not None and enqueued.backend == self.alias:
                 return enqueued
-            if not found.complete:
+            settings = get_settings()
+            waiting = pending.find(settings, result_id) if settings.ledger else None
+            if waiting is not None and waiting.job is not None:
+                return self._ready_result(waiting.job)
+            if not found.complete or (waiting is not None and not waiting.complete):
                 raise TaskResultDoesNotExist(
                     f"No result found for {result_id!r} before the read of the results "
                     "stream ran out of time (DEFERRED['PUBLISH_TIMEOUT'])."
                 )
             raise TaskResultDoesNotExist(
-                f"No result recorded for {result_id!r}: it has not started yet, or the id is "
-                "unknown or older than DEFERRED['RESULT_TTL']."
+                f"No task enqueued with id {result_id!r}: the id is unknown, or older than "
+                "DEFERRED['RESULT_TTL']."
             )
         if found.backend != self.alias:
             raise TaskResultDoesNotExist(
@@ -329,6 +335,40 @@ class RabbitMQBackend(BaseTaskBackend):  # type: ignore[misc]
             object.__setattr__(task_result, "_return_value", found.value)
         return task_result
 
+    def _ready_result(self, job: Job) -> Any:
+        """The ``READY`` result of a task as its ledger record has it (not started)."""
+        if job.backend != self.alias:
+            raise TaskResultDoesNotExist(
+                f"{job.id!r} is not a task of TASKS[{self.alias!r}] "
+                f"(it is {job.task!r}, enqueued through {job.backend or 'defer()'})."
+            )
+        first_due = due_of(job.id)
+        task = self._framework_task(
+            Result(
+                id=job.id,
+                task=job.task,
+                args=job.args,
+                kwargs=job.kwargs,
+                queue=job.queue,
+                priority=job.priority,
+                run_after=first_due if first_due and first_due > job.created else None,
+            )
+        )
+        return TaskResult(
+            task=task,
+            id=job.id,
+            status=TaskResultStatus.READY,
+            enqueued_at=job.created,
+            started_at=None,
+            finished_at=None,
+            last_attempted_at=None,
+            args=list(job.args),
+            kwargs=dict(job.kwargs),
+            backend=self.alias,
+            errors=[],
+            worker_ids=[],
+        )
+
     def _framework_task(self, found: Result) -> Any:
         """The django.tasks ``Task`` a record names, looked up as the worker does."""
         job = Job(
@@ -358,7 +398,7 @@ class RabbitMQBackend(BaseTaskBackend):  # type: ignore[misc]
         wait_ms = self._wait_ms(task.run_after, now, settings)
         due = now + timedelta(milliseconds=wait_ms)
         job = Job(
-            id=new_job_id(due),
+            id=new_job_id(due, now=now),
             task=task.module_path,
             args=tuple(args),
             kwargs=dict(kwargs),

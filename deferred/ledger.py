@@ -11,12 +11,13 @@ RabbitMQ's own tracker lists stuck dead-letters on 4.2 too. Neither queue type
 alone keeps the README's promise, so the repair does not rely on either.
 
 What is written: the ``PREFIX.ledger`` stream is bound to the ingest exchange
-with the patterns that lead into the delay queues, so the broker puts a copy of
-each job published (``defer()``, retries, recurring occurrences, transfers)
-that enters them into it, in the same publish and under the same confirm: no
-extra message from Python, nothing to forget on any path. A job due at once
-makes no hop and is not copied, so one for a ready queue that is gone is still
-returned to ``defer()`` as unroutable. A stream keeps its messages on disk.
+with the patterns that lead into the delay, hold and ready queues, so the broker
+puts a copy of each job published (``defer()``, retries, recurring occurrences,
+transfers) into it, in the same publish and under the same confirm: no extra
+message from Python, nothing to forget on any path. A job due at once makes no
+hop and has nothing to repair; its record is how another process finds it while
+it waits for a worker (:mod:`deferred.pending`). A stream keeps its messages on
+disk.
 
 What it is read for: the routing key and the due time of a job say exactly
 when it left each delay queue (:func:`hop_times`): the queue TTLs are fixed,

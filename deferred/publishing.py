@@ -175,7 +175,7 @@ def prepare(
     )
     due = now + timedelta(milliseconds=wait_ms)
     job = Job(
-        id=new_job_id(due),
+        id=new_job_id(due, now=now),
         task=resolved.name,
         args=args,
         kwargs=kwargs,

@@ -250,7 +250,8 @@ def result(job_id: str, *, timeout: float | None = None) -> Result:
 def lookup(settings: DeferredSettings, job_id: str, *, timeout: float | None = None) -> Result:
     """:func:`result` under ``settings`` (the worker's, which may not be the project's)."""
     since = _since(job_id)
-    if _beyond_retention(job_id, settings):
+    if _beyond_retention(job_id, settings) or since > utcnow():
+        # Not due yet: a worker writes its first record once the job is due.
         return Result(id=job_id)
     cached = _from_cache(settings, job_id)
     if cached is not None:

@@ -700,15 +700,18 @@ def build_plan(
                 words = ["*"] * (levels - above) + ["0"] * (above - held) + last + [name]
                 bindings.append(Binding(level_exchange(above), queue.name, ".".join(words)))
 
-    # Every job that enters a delay queue, as published, into the ledger too: the
-    # broker makes the copy (one publish, one confirm for both queues). With the
-    # patterns that lead into the delay queues, not a catch-all: a job due at once,
-    # which makes no hop (nothing to repair), for a ready queue that is gone must
-    # still come back to defer() as unroutable, not be kept by the ledger alone.
+    # Every job published, as published, into the ledger too: the broker makes the
+    # copy (one publish, one confirm for both queues). With the patterns that lead
+    # into the delay, ready and hold queues (the jobs' routes), not a catch-all:
+    # cancels and results have routes of their own. A job due at once is kept
+    # too, for it is pending until a worker takes it (deferred.pending reads it
+    # back); the cost is that one for a ready queue deleted by hand is kept by
+    # the ledger alone rather than refused as unroutable.
     if ledger:
-        into_delays = {q.name for q in delay_queues}
+        job_queues = {q.name for q in delay_queues}
+        job_queues.update(q.name for q in (*ready_queues.values(), *hold_queues.values()))
         patterns = dict.fromkeys(
-            b.routing_key for b in bindings if b.source == ingest and b.destination in into_delays
+            b.routing_key for b in bindings if b.source == ingest and b.destination in job_queues
         )
         bindings.extend(Binding(ingest, f"{prefix}.ledger", p) for p in patterns)
 

@@ -27,12 +27,20 @@ DAY = 86400.0
 AT = datetime(2026, 11, 23, 12, 0, tzinfo=UTC)
 
 
-def test_a_job_id_is_a_uuid7_whose_time_is_the_due_time():
+def test_a_job_id_is_a_uuid8_whose_first_bits_are_the_due_time():
     due = AT + timedelta(hours=5, milliseconds=123.9)
-    job_id = new_job_id(due)
-    assert len(job_id) == 32 and uuid.UUID(job_id).version == 7
+    job_id = new_job_id(due, now=AT)
+    assert len(job_id) == 32 and uuid.UUID(job_id).version == 8
+    assert uuid.UUID(job_id).variant == uuid.RFC_4122
     assert due_of(job_id) == AT + timedelta(hours=5, milliseconds=123)  # rounded down
-    assert new_job_id(due) != job_id  # 74 random bits
+    assert new_job_id(due, now=AT) != job_id  # 54 random bits
+
+
+def test_ids_made_before_the_delay_was_carried_still_say_their_due_time():
+    """Version 7 ids (jobs deferred by an earlier release, a schedule's runs)."""
+    old = f"{int(AT.timestamp() * 1000):012x}7abc{0b10 << 2 | 1:x}{'0' * 15}"
+    assert uuid.UUID(old).version == 7
+    assert due_of(old) == AT
 
 
 def test_ids_sort_by_due_time():

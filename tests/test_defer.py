@@ -172,9 +172,17 @@ def test_undeclared_topology_raises_a_clear_error(broker_url):
 
 def test_unroutable_message_raises_instead_of_vanishing(broker_url):
     # The delay exchanges exist but the ready queue is gone: mandatory + confirms catch it.
+    # Without a ledger only: the ledger keeps a copy of every job, so a job for a ready
+    # queue deleted by hand is routed there (test_a_job_for_a_deleted_ready_queue_...).
     prefix = "deferred-unroutable"
     with override_settings(
-        DEFERRED={"BROKER_URL": broker_url, "PREFIX": prefix, "RADIX": 16, "MAX_DELAY": 60}
+        DEFERRED={
+            "BROKER_URL": broker_url,
+            "PREFIX": prefix,
+            "RADIX": 16,
+            "MAX_DELAY": 60,
+            "LEDGER": False,
+        }
     ):
         from django.core.management import call_command
 
@@ -188,6 +196,33 @@ def test_unroutable_message_raises_instead_of_vanishing(broker_url):
                 admin.channel.queue_delete(plan.ready_queues["default"].name)
             with pytest.raises(TopologyNotDeclared, match="declare_delay_topology"):
                 defer(record, 0, "p", "l")
+        finally:
+            with admin_channel(broker_url) as admin:
+                admin.delete_everything(plan)
+
+
+def test_a_job_for_a_deleted_ready_queue_is_kept_by_the_ledger(broker_url):
+    """With the ledger (the default), the job is not refused: the ledger has it, as
+    published, and the worker says the topology is missing (deferred.notices)."""
+    from deferred.pending import find
+
+    prefix = "deferred-unroutable-ledger"
+    with override_settings(
+        DEFERRED={"BROKER_URL": broker_url, "PREFIX": prefix, "RADIX": 16, "MAX_DELAY": 60}
+    ):
+        from django.core.management import call_command
+
+        from deferred.conf import get_settings
+        from deferred.topology import plan_topology
+
+        call_command("declare_delay_topology", verbosity=0)
+        plan = plan_topology(get_settings())
+        try:
+            with admin_channel(broker_url) as admin:
+                admin.channel.queue_delete(plan.ready_queues["default"].name)
+            job_id = defer(record, 0, "p", "l")
+            found = find(get_settings(), job_id)
+            assert found.job is not None and found.job.args == ("p", "l")
         finally:
             with admin_channel(broker_url) as admin:
                 admin.delete_everything(plan)

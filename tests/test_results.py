@@ -232,9 +232,13 @@ def test_looking_up_a_finished_job_writes_nothing_to_the_stream(
     assert written_during(broker_url, lambda: deferred.result(job_id)) == 0
     for _ in range(3):  # and again: not a lucky timing
         assert written_during(broker_url, lambda: deferred.result(job_id)) == 0
-    # A job not started yet is read to the end, which one marker of the reader proves
-    waiting = new_job_id(utcnow() + timedelta(minutes=1))
+    # A job due and not started yet is read to the end, which one marker of the reader
+    # proves; one not due yet has no record to read, and is answered without a read.
+    waiting = new_job_id(utcnow() - timedelta(seconds=1))
     assert written_during(broker_url, lambda: deferred.result(waiting)) == 1
+    later = new_job_id(utcnow() + timedelta(minutes=1))
+    assert written_during(broker_url, lambda: deferred.result(later)) == 0
+    assert deferred.result(later).state == "pending"
 
 
 def test_a_look_up_ends_on_a_stream_that_never_goes_quiet(broker_url):

@@ -67,11 +67,12 @@ def route(plan: Plan, delay_ms: int, queue: str = "default") -> tuple[list[int],
                     else:
                         destinations.add(b.destination)
         if plan.ledger_queue is not None and not waited:
-            # The ledger gets a copy of every job that enters a delay queue, as it comes
-            # in, and only then; a job due at once makes no hop and is not copied.
-            ledger = plan.ledger_queue.name in destinations
-            assert ledger == any(d in by_name for d in destinations), f"{key}: {destinations}"
+            # The ledger gets a copy of every job as it comes in (a job due at once
+            # too: it is pending until a worker takes it), and of no hop after that.
+            assert plan.ledger_queue.name in destinations, f"{key}: {destinations}"
             destinations.discard(plan.ledger_queue.name)
+        elif plan.ledger_queue is not None:
+            assert plan.ledger_queue.name not in destinations, f"{key}: {destinations}"
         assert len(destinations) == 1, f"{key} routed to {destinations}"
         (dest,) = destinations
         if dest in ready:

@@ -369,10 +369,19 @@ class ResultReader:
     """
 
     def __init__(
-        self, urls: Urls, stream: str, exchange: str, routing_key: str, publish_timeout: float
+        self,
+        urls: Urls,
+        stream: str,
+        exchange: str,
+        routing_key: str,
+        publish_timeout: float,
+        *,
+        credit: int = READ_CREDIT,
     ) -> None:
         self.urls = as_urls(urls)
         self.publish_timeout = publish_timeout
+        #: Messages the broker may send ahead of the acks (:data:`READ_CREDIT`).
+        self.credit = credit
         self.stream = stream
         self.exchange = exchange
         self.routing_key = routing_key
@@ -442,7 +451,7 @@ class ResultReader:
             elif on_message(body, dict(props.headers or {})):
                 progress.end = ReadEnd.FOUND
 
-        channel.basic_qos(prefetch_count=READ_CREDIT)
+        channel.basic_qos(prefetch_count=self.credit)
         channel.basic_consume(self.stream, deliver, arguments={"x-stream-offset": since})
         marked = False
         while progress.end is None:
