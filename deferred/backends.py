@@ -393,6 +393,12 @@ class RabbitMQBackend(BaseTaskBackend):  # type: ignore[misc]
         """Every check of ``enqueue()``, the job it publishes and the result it returns."""
         self.validate_task(task)
         settings = get_settings()
+        try:
+            # As the framework's TaskResult has them (bytes as text, tuples as lists):
+            # what the task receives under its own backends too.
+            args, kwargs = normalize_json(list(args)), normalize_json(dict(kwargs))
+        except (TypeError, ValueError):
+            pass  # job.encode() below raises the TypeError, naming the task
         _check_arguments(task, tuple(args), dict(kwargs))
         now = utcnow()
         wait_ms = self._wait_ms(task.run_after, now, settings)
@@ -461,6 +467,16 @@ class RabbitMQBackend(BaseTaskBackend):  # type: ignore[misc]
         )
 
     def check(self, **kwargs: Any) -> list[checks.CheckMessage]:
+        if not apps.is_installed("deferred"):
+            # The worker command, the topology's declaration and its checks are the app's.
+            return [
+                checks.Error(
+                    f"TASKS[{self.alias!r}] uses deferred.backends.RabbitMQBackend, but the "
+                    "deferred app is not installed.",
+                    hint="Add 'deferred' to INSTALLED_APPS.",
+                    id="deferred.E011",
+                )
+            ]
         configured = _configured_queues()
         if not configured:
             return []  # DEFERRED itself is wrong: deferred's own check says how

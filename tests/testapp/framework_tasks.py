@@ -99,3 +99,70 @@ def fails_with(kind, message):
     """Raises ``ValueError(message)``, or ``SystemExit(message)`` (the reference suites'
     ``failing_task_value_error`` and ``failing_task_system_exit``)."""
     raise {"value": ValueError, "exit": SystemExit}[kind](message)
+
+
+# The reference suites' test tasks (Django's tests/tasks/tasks.py, django-tasks' tests/tasks.py),
+# for tests/test_django_tasks_reference.py.
+
+
+@task
+def noop(*args, **kwargs):
+    """The reference suites' ``noop_task``."""
+    return None
+
+
+@task
+async def noop_async(*args, **kwargs):
+    """The reference suites' ``noop_task_async``."""
+    return None
+
+
+@task
+def meaning_of_life():
+    """The reference suites' ``calculate_meaning_of_life``."""
+    return 42
+
+
+@task
+def echo(*args, **kwargs):
+    """Returns what it was given, as JSON carries it back."""
+    return {"args": args, "kwargs": kwargs}
+
+
+@task
+def complex_exception():
+    """The reference suites' ``complex_exception``."""
+    raise ValueError(ValueError("This task failed"))
+
+
+@task
+def interrupts(message):
+    """Raises ``KeyboardInterrupt`` (the reference suites' ``failing_task_keyboard_interrupt``)."""
+    raise KeyboardInterrupt(message)
+
+
+@task
+def exits():
+    """Calls ``exit(1)`` (the reference suites' ``exit_task``)."""
+    import sys
+
+    sys.exit(1)
+
+
+@task
+def sleep_for(seconds):
+    """The reference suites' ``sleep_for``."""
+    time.sleep(seconds)
+
+
+@task(takes_context=True)
+def attempt_is(context, attempt):
+    """Fails unless its context is a ``TaskContext`` of attempt ``attempt`` (the reference
+    suites' ``test_context``)."""
+    try:
+        from django.tasks import TaskContext
+    except ImportError:  # Django 5.2
+        from django_tasks import TaskContext  # type: ignore[no-redef]
+
+    assert isinstance(context, TaskContext), type(context)
+    assert context.attempt == attempt, context.attempt
