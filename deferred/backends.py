@@ -266,7 +266,8 @@ class RabbitMQBackend(BaseTaskBackend):  # type: ignore[misc]
         ``TaskResultDoesNotExist`` for an id nothing names (unknown, older than
         ``RESULT_TTL``, or none found before the read ran out of time), and
         for a job that is not this backend's; ``deferred.BrokerUnavailable``
-        if no broker node answers.
+        if no broker node answers; ``deferred.TopologyNotDeclared`` if the
+        streams are not there.
         """
         try:
             found = result(result_id)
@@ -276,14 +277,20 @@ class RabbitMQBackend(BaseTaskBackend):  # type: ignore[misc]
             enqueued = _enqueued_here(result_id)
             if enqueued is not None and enqueued.backend == self.alias:
                 return enqueued
-            settings = get_settings()
-            waiting = pending.find(settings, result_id) if settings.ledger else None
-            if waiting is not None and waiting.job is not None:
-                return self._ready_result(waiting.job)
-            if not found.complete or (waiting is not None and not waiting.complete):
+            if not found.complete:
                 raise TaskResultDoesNotExist(
                     f"No result found for {result_id!r} before the read of the results "
                     "stream ran out of time (DEFERRED['PUBLISH_TIMEOUT'])."
+                )
+            settings = get_settings()
+            waiting = pending.find(settings, result_id) if _may_be_waiting(result_id) else None
+            if waiting is not None and waiting.job is not None:
+                return self._ready_result(waiting.job)
+            if waiting is not None and not waiting.complete:
+                raise TaskResultDoesNotExist(
+                    f"No task found for {result_id!r} before the read of the ledger ran "
+                    "out of time (DEFERRED['PUBLISH_TIMEOUT']): a busy ledger, or a task "
+                    "published long after it was enqueued."
                 )
             raise TaskResultDoesNotExist(
                 f"No task enqueued with id {result_id!r}: the id is unknown, or older than "
@@ -508,6 +515,18 @@ _STATUSES = {
 _ENQUEUED_MAX = 10_000
 _enqueued: OrderedDict[str, Any] = OrderedDict()
 _enqueued_lock = threading.Lock()
+
+
+def _may_be_waiting(result_id: str) -> bool:
+    """Whether no record of ``result_id`` in the results means "not started yet": only
+    with results on, for an id the results stream still has records of. A task that
+    ran with results off, or longer ago than ``RESULT_TTL``, has a ledger record
+    too, and must not read READY again."""
+    settings = get_settings()
+    if not (settings.ledger and settings.results):
+        return False
+    due = due_of(result_id)
+    return due is not None and due > utcnow() - timedelta(milliseconds=settings.result_ttl_ms)
 
 
 def _remember(task_result: Any) -> None:

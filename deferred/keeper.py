@@ -41,6 +41,7 @@ half-way) publish copies twice; each runs at most once.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import threading
@@ -139,6 +140,21 @@ def entry_of(offset: int, body: bytes, headers: dict[str, Any]) -> ledger.Entry 
         written_ms=written if isinstance(written, int) else _ms(job.created),
         offset=offset,
     )
+
+
+@functools.lru_cache(maxsize=64)
+def _shape(exchange: str) -> ledger.Shape | None:
+    return ledger.shape_of(exchange)
+
+
+def _no_hop(headers: dict[str, Any]) -> bool:
+    """Whether a ledger record is of a job that went straight to its ready or hold queue."""
+    routing_key = headers.get(ledger.KEY_HEADER) or headers.get(ROUTING_KEY)
+    exchange = headers.get(ledger.EXCHANGE_HEADER) or headers.get(EXCHANGE)
+    if not isinstance(routing_key, str) or not isinstance(exchange, str):
+        return False
+    shape = _shape(exchange)
+    return shape is not None and ledger.makes_no_hop(shape, routing_key)
 
 
 def _attempt(entry: ledger.Entry) -> int:
@@ -343,6 +359,8 @@ class Keeper:
                     ledger.Marker(alive, unsettled if isinstance(unsettled, int) else None)
                 )
                 return False
+            if _no_hop(headers):
+                return False  # due at once: nothing to repair, nothing to carry
             entry = entry_of(offset, body, headers)
             if entry is not None:
                 entries.append(entry)

@@ -113,6 +113,14 @@ class Entry:
         return self.routing_key.rsplit(".", 1)[-1]
 
 
+def makes_no_hop(shape: Shape, routing_key: str) -> bool:
+    """Whether a job published with ``routing_key`` went straight to its ready or hold
+    queue: every delay digit zero. Nothing about such a job is repaired, and the
+    keeper skips its record before decoding it (most jobs of a busy system)."""
+    declared = shape.levels - shape.hold_levels
+    return all(word == "0" for word in routing_key.split(".", declared)[:declared])
+
+
 def hop_times(shape: Shape, routing_key: str, due_ms: int) -> list[tuple[int, int]]:
     """When the job left each delay queue it visited: (earliest, latest) in ms, in order.
 

@@ -19,7 +19,9 @@ it must (an id nothing was published for), and within its timeout.
 A record older than half the ledger's retention may have been written again
 by the keeper (carried, :func:`deferred.ledger.to_carry`), later than the job
 was made: for such a job the read starts where the newest carried record can
-be, and may run out of time on a busy ledger.
+be (half the retention and two hours back), and may run out of time on a busy
+ledger. A job due at once that still waits for a worker after half the
+retention is not carried, and reads as not found.
 """
 
 from __future__ import annotations
@@ -33,14 +35,17 @@ from deferred import broker, signing
 from deferred.broker.results import ReadEnd
 from deferred.conf import DeferredSettings
 from deferred.jobs import BrokenMessage, Job, made_ms_of
+from deferred.keeper import CARRY_EVERY_S, READ_TIMEOUT_S
 from deferred.results import CLOCK_SLACK_S, encode_marker, marker_of
-from deferred.topology import LEDGER_KEEP_MS, plan_topology
+from deferred.topology import LEDGER_KEEP_MS, LEDGER_ROUTING_KEY, plan_topology
 
 #: The messages the broker may send ahead of the acks: a read that must go on
 #: past its job's place (a commit long after the job was made) reads many.
 CREDIT = 200
-#: How long the keeper may take to carry a record (its pass runs every few seconds).
-CARRY_SLACK_MS = 10 * 60 * 1000
+#: How much older than half the retention the newest record of a carried job may be:
+#: the keeper carries once an hour, a pass may take its whole read timeout, and a
+#: keeper that just took the lease waits an hour before its first pass.
+CARRY_SLACK_MS = int((2 * CARRY_EVERY_S + READ_TIMEOUT_S) * 1000)
 
 
 @dataclass(frozen=True)
@@ -99,7 +104,11 @@ def find(
         return True
 
     reader = _reader(
-        settings.broker_urls, plan.ledger_queue.name, settings.publish_timeout_s, CREDIT
+        settings.broker_urls,
+        plan.ledger_queue.name,
+        plan.ingest_exchange,
+        settings.publish_timeout_s,
+        CREDIT,
     )
     end = reader.read(
         datetime.fromtimestamp(max(0.0, since_ms) / 1000, UTC),
@@ -113,7 +122,9 @@ def find(
 
 
 @lru_cache(maxsize=8)
-def _reader(urls: tuple[str, ...], stream: str, timeout: float, credit: int) -> broker.ResultReader:
-    # The read's end marker goes straight into the stream (the default exchange):
-    # the ingest exchange routes only jobs there.
-    return broker.ResultReader(urls, stream, "", stream, timeout, credit=credit)
+def _reader(
+    urls: tuple[str, ...], stream: str, exchange: str, timeout: float, credit: int
+) -> broker.ResultReader:
+    # The read's end marker goes through the ingest exchange (LEDGER_ROUTING_KEY),
+    # which the publisher user may write to, as the results reader's does.
+    return broker.ResultReader(urls, stream, exchange, LEDGER_ROUTING_KEY, timeout, credit=credit)

@@ -71,8 +71,9 @@ def for_role(role: str, prefix: str) -> Permissions:
     default = re.escape(DEFAULT_EXCHANGE)
     staging = rf"{p}\.transfer(\.out)?|amq\.gen-[A-Za-z0-9_-]+"
     if role == "publisher":
-        # Reading a result (deferred.result(), get_result()) consumes the results stream.
-        return Permissions(configure=NOTHING, write=f"^{ingest}$", read=rf"^{p}\.results$")
+        # Reading a result (deferred.result(), get_result()) consumes the results
+        # stream; get_result() of a task not started yet, the ledger (deferred.pending).
+        return Permissions(configure=NOTHING, write=f"^{ingest}$", read=rf"^{p}\.(results|ledger)$")
     if role == "worker":
         return Permissions(
             configure=NOTHING, write=f"^({ingest}|{default})$", read=f"^{everything}$"

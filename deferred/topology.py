@@ -538,6 +538,9 @@ def hold_levels_for(window_ms: int, radix: int, resolution_ms: int, levels: int)
 CANCEL_ROUTING_KEY = "cancel"
 #: The routing key of result records and the readers' markers, on the ingest exchange.
 RESULT_ROUTING_KEY = "result"
+#: The routing key of a ledger reader's end marker (deferred.pending): through the
+#: ingest exchange, which a web process may write to, like the results reader's.
+LEDGER_ROUTING_KEY = "ledger"
 #: How long the ledger stream keeps a record. The keeper writes a pending job's
 #: record again before it gets this old (deferred.keeper).
 LEDGER_KEEP_MS = 7 * 24 * 3600 * 1000
@@ -714,6 +717,7 @@ def build_plan(
             b.routing_key for b in bindings if b.source == ingest and b.destination in job_queues
         )
         bindings.extend(Binding(ingest, f"{prefix}.ledger", p) for p in patterns)
+        bindings.append(Binding(ingest, f"{prefix}.ledger", LEDGER_ROUTING_KEY))
 
     return Plan(
         prefix=prefix,

@@ -197,19 +197,24 @@ class WorkerProcess:
             "PYTHONPATH": str(ROOT),
             **(env or {}),
         }
-        self.proc = subprocess.Popen(
-            [sys.executable, str(ROOT / "manage.py"), "run_deferred_worker", *args],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=log.open("w"),
-        )
-        started = wait_for(
-            lambda: "Worker consuming" in self.output() or self.proc.poll() is not None, 20
-        )
-        assert started, self.output()
-        if not expect_exit:
-            assert self.proc.poll() is None, self.output()
+        with log.open("w") as stderr:  # the child keeps its own copy of the file
+            self.proc = subprocess.Popen(
+                [sys.executable, str(ROOT / "manage.py"), "run_deferred_worker", *args],
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=stderr,
+            )
+        try:
+            started = wait_for(
+                lambda: "Worker consuming" in self.output() or self.proc.poll() is not None, 20
+            )
+            assert started, self.output()
+            if not expect_exit:
+                assert self.proc.poll() is None, self.output()
+        except BaseException:
+            self.kill()  # a worker that did not start is not left running
+            raise
 
     def output(self) -> str:
         return self.log.read_text() if self.log.exists() else ""

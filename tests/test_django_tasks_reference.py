@@ -45,6 +45,7 @@ from deferred.publishing import publish
 from tests.conftest import ROOT, depth, total_waiting, wait_for
 from tests.testapp.framework_tasks import (
     attempt_is,
+    blocks_until,
     complex_exception,
     double,
     echo,
@@ -445,6 +446,10 @@ def test_get_result(drained):
     result_async = asyncio.run(backend().aenqueue(noop, (), {}))
     assert asyncio.run(backend().aget_result(result_async.id)) == result_async
     assert asyncio.run(noop.aget_result(result_async.id)) == result_async
+    # And read back from the broker (the ledger), not from this process's memory.
+    forget_enqueued_here()
+    assert backend().get_result(result.id) == result
+    assert asyncio.run(noop.aget_result(result_async.id)) == result_async
 
 
 READ_IN_ANOTHER_PROCESS = r"""
@@ -554,6 +559,7 @@ def test_refresh_result_without_change(drained):
     worker, ``refresh()`` and ``arefresh()`` change nothing."""
     result = asyncio.run(noop.aenqueue())
     original = dataclasses.asdict(result)
+    forget_enqueued_here()  # read back from the broker (the ledger), not from memory
     result.refresh()
     assert dataclasses.asdict(result) == original
     asyncio.run(result.arefresh())
@@ -667,6 +673,7 @@ def test_meaning_of_life_view(drained, client):
         assert response.status_code == 200
         data = json.loads(response.content)
         assert data["result"] is None and data["status"] == Status.READY
+        forget_enqueued_here()  # as the broker has it, not this process's memory
         assert backend().get_result(data["result_id"]).status == Status.READY
 
 
@@ -941,6 +948,7 @@ def test_queue_isolation(drained, raw_channel):
     there; both results read READY meanwhile."""
     default_task = noop.enqueue()
     other_task = noop.using(queue_name="other").enqueue()
+    forget_enqueued_here()  # as the broker has them, not this process's memory
     assert backend().get_result(default_task.id).status == Status.READY
     assert backend().get_result(other_task.id).status == Status.READY
 
@@ -996,7 +1004,7 @@ def test_earlier_run_after_comes_first_given_same_priority(clean, run_worker, re
     has the higher priority; neither runs before its ``run_after``."""
     run_worker(queues=["other"], concurrency=1)
     now = timezone.now()
-    late_at, early_at = now + timedelta(milliseconds=700), now + timedelta(milliseconds=350)
+    late_at, early_at = now + timedelta(milliseconds=2500), now + timedelta(milliseconds=500)
     late = note.using(run_after=late_at, priority=90).enqueue(records, "late")
     early = note.using(run_after=early_at).enqueue(records, "early")
     assert wait_for(lambda: len(lines(records)) == 2, 15), lines(records)
@@ -1015,6 +1023,7 @@ def test_run_after(own_topology, run_worker):
         assert wait_for(lambda: finished(due), 15), due.status
         time.sleep(0.5)
     assert [r.id for _, r in started.calls] == [due.id]
+    forget_enqueued_here()  # READY as the broker has it, not from this process's memory
     assert status_of(far.id) == Status.READY
 
 
@@ -1095,7 +1104,7 @@ def test_run_subprocess(clean, worker_process):
     path=... state=RUNNING", then "state=SUCCESSFUL" (with no ``LOGGING`` of the
     project's, as the worker guide describes: root logger, the tasks' INFO lines); idle
     again, it stops on SIGTERM with status 0. (DB gives that stop 0.5 s; ours hands back
-    its held jobs and closes its broker connection first, so it gets 5 s here.)"""
+    its held jobs and closes its broker connection first, so it gets 20 s here.)"""
     result = meaning_of_life.enqueue()
     worker = worker_process(env={"DJANGO_SETTINGS_MODULE": "tests.settings_plain"})
     assert wait_for(lambda: status_of(result.id) == Status.SUCCESSFUL, 15), worker.output()
@@ -1111,53 +1120,63 @@ def test_run_subprocess(clean, worker_process):
     assert running in output and output.index(running) < output.index(successful)
 
     worker.signal(signal.SIGTERM)
-    assert worker.wait(5) == 0, worker.output()
+    assert worker.wait(20) == 0, worker.output()
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-def test_interrupt_signals(clean, worker_process, signum):
+def test_interrupt_signals(clean, worker_process, signum, tmp_path):
     """DB ``test_interrupt_signals``: SIGINT or SIGTERM while a task runs (RUNNING, with
-    a worker id): the worker lets it finish, then exits 0; the task is SUCCESSFUL."""
-    result = sleep_for.enqueue(0.8)
+    a worker id): the worker lets it finish, then exits 0; the task is SUCCESSFUL. The
+    task runs until the test releases it, so it surely runs when the signal comes."""
+    release = tmp_path / "release"
+    result = blocks_until.enqueue(str(release))
     worker = worker_process()
     assert wait_for(lambda: status_of(result.id) == Status.RUNNING, 10), worker.output()
     result.refresh()
     assert result.worker_ids != []
     worker.signal(signum)
-    assert worker.wait(10) == 0, worker.output()
+    time.sleep(0.5)
+    assert worker.proc.poll() is None, worker.output()  # still finishing its task
+    release.touch()
+    assert worker.wait(20) == 0, worker.output()
     result.refresh()
-    assert result.status == Status.SUCCESSFUL
+    assert result.status == Status.SUCCESSFUL and result.return_value == "released"
 
 
-def test_repeat_ctrl_c(clean, worker_process):
+def test_repeat_ctrl_c(clean, worker_process, tmp_path):
     """DB ``test_repeat_ctrl_c``, in the form our documented behaviour implies: DB's
     worker ends the running task at a second Ctrl-C (FAILED, ``SystemExit``); ours, at
     SIGINT or SIGTERM, "finishes and acks the running ones, and exits 0"
     (docs/howto/worker.md), and a second SIGINT changes nothing: the task still ends
     SUCCESSFUL."""
-    result = sleep_for.enqueue(1.2)
+    release = tmp_path / "release"
+    result = blocks_until.enqueue(str(release))
     worker = worker_process()
     assert wait_for(lambda: status_of(result.id) == Status.RUNNING, 10), worker.output()
     worker.signal(signal.SIGINT)
-    time.sleep(0.2)
-    assert worker.proc.poll() is None
-    assert status_of(result.id) == Status.RUNNING
+    time.sleep(0.3)
     worker.signal(signal.SIGINT)
-    assert worker.wait(10) == 0, worker.output()
+    time.sleep(0.5)
+    assert worker.proc.poll() is None, worker.output()
+    assert status_of(result.id) == Status.RUNNING
+    release.touch()
+    assert worker.wait(20) == 0, worker.output()
     result.refresh()
     assert result.status == Status.SUCCESSFUL
 
 
-def test_kill(clean, worker_process, run_worker):
+def test_kill(clean, worker_process, run_worker, tmp_path):
     """DB ``test_kill``: a worker process killed (SIGKILL) while its task runs leaves the
     task RUNNING. Ours then goes further, as documented (docs/explanation/guarantees.md:
     a job is acked only after its task returned; if that worker is killed, RabbitMQ
     redelivers it to another worker): the next worker runs it to SUCCESSFUL."""
-    result = sleep_for.enqueue(0.5)
+    release = tmp_path / "release"
+    result = blocks_until.enqueue(str(release))
     worker = worker_process()
     assert wait_for(lambda: status_of(result.id) == Status.RUNNING, 10), worker.output()
     worker.kill()
     assert worker.proc.returncode == -signal.SIGKILL
     assert status_of(result.id) == Status.RUNNING
+    release.touch()
     run_worker(concurrency=1)
     assert wait_for(lambda: status_of(result.id) == Status.SUCCESSFUL, 20)

@@ -187,3 +187,16 @@ def test_a_job_is_lost_once_the_jobs_due_after_it_have_started():
     # long after: nothing to tell by.
     assert ledger.overtaken(10_000, later[:4]) is None
     assert ledger.overtaken(10_000, [(10_500, True)] * 10 + [(40_000, True)] * 10) is None
+
+
+def test_a_job_due_at_once_makes_no_hop():
+    from deferred.ledger import Shape, makes_no_hop
+
+    held = Shape(radix=16, resolution_ms=1, levels=4, hold_levels=2)
+    assert makes_no_hop(held, "0.0.0.default")  # to the ready queue
+    assert makes_no_hop(held, "0.0.1.default")  # to the hold queue
+    assert not makes_no_hop(held, "0.3.0.default")
+    assert not makes_no_hop(held, "1.0.1.default")
+    plain = Shape(radix=16, resolution_ms=1, levels=3, hold_levels=0)
+    assert makes_no_hop(plain, "0.0.0.default")
+    assert not makes_no_hop(plain, "0.0.7.default")

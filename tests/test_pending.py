@@ -63,6 +63,20 @@ except ImportError:  # Django 5.2: the backport
     _READER = _READER.replace("from django.tasks import", "from django_tasks import")
 
 
+@pytest.fixture(autouse=True)
+def tidy(topology, raw_channel):
+    """The jobs these tests leave waiting (due in an hour, or with no worker) are purged
+    after each one: later tests count what waits in the topology."""
+    yield
+    queues = [
+        *topology.delay_queues,
+        *topology.ready_queues.values(),
+        *(topology.hold_queues.values() if topology.hold_levels else ()),
+    ]
+    for queue in queues:
+        raw_channel.queue_purge(queue.name)
+
+
 def read_elsewhere(result_id: str) -> dict:
     """``get_result(result_id)`` in a new Python process."""
     env = {**os.environ, "DJANGO_SETTINGS_MODULE": os.environ.get("DJANGO_SETTINGS_MODULE", "")}
@@ -204,3 +218,25 @@ def test_a_version_7_id_does_not_say():
     assert made_ms_of(id_with_due(datetime.now(UTC), b"seed")) is None
     assert made_ms_of("0" * 12 + "7" + "0" * 3 + "8" + "0" * 15) is None
     assert made_ms_of("not an id") is None
+
+
+def test_no_ready_from_the_ledger_without_results_or_past_their_retention(clean, monkeypatch):
+    """The ledger keeps a job 7 days, the results RESULT_TTL (a day): a task with no
+    record in the results has not started only while the results would have one, and
+    only if workers write results at all. Otherwise the ledger's copy proves nothing:
+    the task may have run, and must not read READY again."""
+    from django.conf import settings
+
+    from deferred import backends
+
+    enqueued = double.enqueue(2)
+    backends._enqueued.clear()
+    backend = _api.task_backends["default"]
+    assert backend.get_result(enqueued.id).status == Status.READY
+    with override_settings(DEFERRED={**settings.DEFERRED, "RESULTS": False}):
+        with pytest.raises(_exceptions.TaskResultDoesNotExist):
+            backend.get_result(enqueued.id)
+    later = datetime.now(UTC) + timedelta(milliseconds=get_settings().result_ttl_ms + 60_000)
+    monkeypatch.setattr(backends, "utcnow", lambda: later)
+    with pytest.raises(_exceptions.TaskResultDoesNotExist, match="No task enqueued"):
+        backend.get_result(enqueued.id)

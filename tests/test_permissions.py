@@ -22,6 +22,7 @@ from deferred import cancel, defer, permissions
 from deferred.conf import get_settings
 from deferred.topology import Plan
 from tests.conftest import depth, rabbitmqctl, wait_for
+from tests.testapp.framework_tasks import double
 from tests.testapp.tasks import flaky, read_records, record
 
 PASSWORD = "pw-" + uuid.uuid4().hex[:12]
@@ -109,8 +110,17 @@ def test_the_publisher_can_defer_and_cancel_and_nothing_else(users, own_topology
     with as_user(publisher):
         job_id = defer(record, 60, "/tmp/never", "by the publisher")
         cancel(job_id)
-        # It reads results: the results stream, and a marker through the ingest exchange.
-        assert deferred.result(job_id).state == "pending"
+        # It reads results: the results stream, and a marker through the ingest exchange
+        # (a job due now: one not due yet is answered without a read).
+        assert deferred.result(defer(record, 0, "/tmp/never", "now")).state == "pending"
+        # And a django.tasks task not started yet, enqueued elsewhere: from the ledger,
+        # its marker through the ingest exchange too.
+        from deferred import backends
+
+        enqueued = double.enqueue(3)
+        backends._enqueued.clear()
+        backend = backends._api.task_backends["default"]
+        assert backend.get_result(enqueued.id).status.name == "READY"
     assert wait_for(
         lambda: sum(depth(raw_channel, q.name) for q in own_topology.delay_queues) == 1, 5
     )

@@ -166,3 +166,15 @@ def attempt_is(context, attempt):
 
     assert isinstance(context, TaskContext), type(context)
     assert context.attempt == attempt, context.attempt
+
+
+@task
+def blocks_until(path, timeout=30):
+    """Runs until the file ``path`` exists (a test releases it), ``timeout`` s at most:
+    a task that is surely still running when a test signals its worker."""
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} never appeared")
+        time.sleep(0.02)
+    return "released"
