@@ -171,8 +171,9 @@ def test_the_role_regexes_match_exactly_the_names_they_should(prefix):
         return {n for n in names if re.match(regex, n)}
 
     assert matching(publisher.write, ours | nested) == ingest
-    # A web process reads results (deferred.result()): the results stream, nothing else.
-    assert matching(publisher.read, ours | nested) == {f"{prefix}.results"}
+    # A web process reads results (deferred.result()) and, for a task not started yet,
+    # the ledger (get_result()): those two streams, nothing else.
+    assert matching(publisher.read, ours | nested) == {f"{prefix}.results", f"{prefix}.ledger"}
     assert matching(publisher.configure, ours) == set()
     assert matching(worker.write, ours | {"amq.default"}) == ingest | {"amq.default"}
     assert matching(worker.read, ours | nested) == ours
