@@ -50,6 +50,12 @@ def _default_logging(level: int, verbosity: int) -> None:
         django_logger = logging.getLogger("django")
         if django_logger.handlers:
             django_logger.propagate = False
+            # ... but the task framework's own lines (Django 6's "django.tasks": "Task
+            # id=... state=RUNNING") are the tasks', shown whatever DEBUG says.
+            framework = logging.getLogger("django.tasks")
+            if not framework.handlers:
+                framework.addHandler(handler)
+                framework.propagate = False
     elif verbosity != 1:
         deferred.setLevel(level)
 
