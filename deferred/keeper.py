@@ -61,8 +61,9 @@ logger = logging.getLogger("deferred.keeper")
 
 #: How often the lease holder writes its "up at" marker.
 ALIVE_EVERY_S = 5.0
-#: How often it carries the records of pending jobs forward.
-CARRY_EVERY_S = 3600.0
+#: How often it carries the records of pending jobs forward (deferred.ledger, where
+#: deferred.pending reads it too).
+CARRY_EVERY_S = ledger.CARRY_EVERY_S
 #: A restart window starts this long before the connection was lost: the broker
 #: may stop its queues a moment before it closes the connections.
 BEFORE_MS = 5_000
@@ -90,7 +91,7 @@ BACKLOG_LIMIT = 50
 BACKLOG_EVERY_S = 5.0
 MAX_POSTPONE_MS = 300_000
 #: How long reading the whole ledger may take.
-READ_TIMEOUT_S = 600.0
+READ_TIMEOUT_S = ledger.READ_TIMEOUT_S
 #: How long a stopping worker waits for the keeper thread (a daemon: it ends with
 #: the process anyway).
 STOP_WAIT_S = 2.0

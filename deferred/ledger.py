@@ -55,6 +55,11 @@ EXCHANGE_HEADER = "x-deferred-exchange"
 ALIVE_HEADER = "x-deferred-alive"
 #: ... and, while a restart's repair is not finished, where its window starts (ms).
 UNSETTLED_HEADER = "x-deferred-unsettled"
+#: How often the keeper carries the records of pending jobs forward, and how long
+#: its read of the whole ledger may take: together they say how far past half the
+#: retention the newest record of a pending job may be (deferred.pending reads it).
+CARRY_EVERY_S = 3600.0
+READ_TIMEOUT_S = 600.0
 #: How late a hop may be under load (dead-lettering backlog): a hop due before a
 #: restart window may happen inside it.
 LATE_HOP_MS = 5_000

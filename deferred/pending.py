@@ -35,7 +35,7 @@ from deferred import broker, signing
 from deferred.broker.results import ReadEnd
 from deferred.conf import DeferredSettings
 from deferred.jobs import BrokenMessage, Job, made_ms_of
-from deferred.keeper import CARRY_EVERY_S, READ_TIMEOUT_S
+from deferred.ledger import CARRY_EVERY_S, READ_TIMEOUT_S
 from deferred.results import CLOCK_SLACK_S, encode_marker, marker_of
 from deferred.topology import LEDGER_KEEP_MS, LEDGER_ROUTING_KEY, plan_topology
 

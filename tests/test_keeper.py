@@ -72,13 +72,13 @@ def test_markers_and_records_that_are_not_jobs_are_not_entries():
 
 
 def test_a_repair_publishes_again_the_jobs_lost_in_its_window_and_each_runs_once(
-    clean, records, run_worker, caplog
+    own_topology, records, run_worker, caplog
 ):
     caplog.set_level(logging.INFO)
     run_worker(concurrency=4)
     before = time.time() * 1000
     lost = [defer(record, 1.5 + i * 0.1, records, f"lost{i}") for i in range(5)]
-    purge_delays(clean)  # gone, as if dropped between two delay queues
+    purge_delays(own_topology)  # gone, as if dropped between two delay queues
     kept = [defer(record, 2.0 + i * 0.1, records, f"kept{i}") for i in range(5)]
     later = defer(record, 3600, records, "later")
     keeper = Keeper(get_settings())
@@ -105,7 +105,7 @@ def test_a_repair_publishes_again_the_jobs_lost_in_its_window_and_each_runs_once
 
 
 def test_a_job_due_later_is_published_again_at_once_and_runs_once(
-    clean, records, run_worker, monkeypatch
+    own_topology, records, run_worker, monkeypatch
 ):
     import deferred.keeper
 
@@ -113,7 +113,7 @@ def test_a_job_due_later_is_published_again_at_once_and_runs_once(
     run_worker(concurrency=4)
     before = time.time() * 1000
     lost = defer(record, 2, records, "lost")
-    purge_delays(clean)
+    purge_delays(own_topology)
     kept = defer(record, 2.5, records, "kept")
     keeper = Keeper(get_settings())
     keeper.link.connect()
@@ -129,14 +129,14 @@ def test_a_job_due_later_is_published_again_at_once_and_runs_once(
     assert lost and kept
 
 
-def test_a_broker_restart_is_repaired_by_the_keeper(clean, records, run_worker):
+def test_a_broker_restart_is_repaired_by_the_keeper(own_topology, records, run_worker):
     worker = run_worker(concurrency=4)
     assert wait_for(lambda: worker.keeper is not None and worker.keeper.leading.is_set(), 20)
     labels = [f"r{i}" for i in range(20)]
     for i, label in enumerate(labels):
         defer(record, 4 + i * 0.05, records, label)
     far = defer(record, 3600, records, "far")
-    purge_delays(clean)  # the jobs were in the delay queues as the broker stopped
+    purge_delays(own_topology)  # the jobs were in the delay queues as the broker stopped
     # A repair when it started (of an earlier restart, or of the ledger's start on a
     # fresh topology) ends first: its end must not read as this restart's.
     assert wait_for(lambda: not worker.keeper._repairs, 30)
