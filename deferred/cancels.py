@@ -107,7 +107,7 @@ def cancel_many(job_ids: Iterable[str]) -> None:
         )
         for body in bodies
     ]
-    sender = broker.publisher(settings.broker_urls, settings.publish_timeout_s)
+    sender = broker.publisher_for(settings)
     if len(messages) == 1:
         m = messages[0]
         sender.publish(
@@ -128,7 +128,7 @@ def cancel_route_missing(settings: DeferredSettings) -> str | None:
     plan = plan_topology(settings)
     token = uuid.uuid4().hex
     try:
-        broker.publisher(settings.broker_urls, settings.publish_timeout_s).publish(
+        broker.publisher_for(settings).publish(
             plan.ingest_exchange, CANCEL_ROUTING_KEY, encode_marker(token), message_id=token
         )
     except broker.TopologyNotDeclared:
@@ -471,7 +471,7 @@ class CancelWatch:
         # Straight into the stream (the worker may use the default exchange):
         # reading the cancels does not depend on the ingest exchange's binding,
         # which a topology declared by an earlier version lacks.
-        broker.publisher(self.settings.broker_urls, self.settings.publish_timeout_s).publish(
+        broker.publisher_for(self.settings).publish(
             "", self.queue, encode_marker(token), message_id=token
         )
         deadline = time.monotonic() + MARKER_TIMEOUT_S

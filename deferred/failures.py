@@ -132,7 +132,7 @@ def store_failure(settings: DeferredSettings, record: dict[str, Any]) -> None:
     """
     plan = plan_topology(settings)
     body = json.dumps(record, default=repr).encode()
-    broker.publisher(settings.broker_urls, settings.publish_timeout_s).publish(
+    broker.publisher_for(settings).publish(
         "",
         plan.failed_queue.name,
         body,

@@ -493,7 +493,7 @@ class Keeper:
         self.repaired.set()
 
     def _publish_copy(self, entry: ledger.Entry, wait_ms: int) -> None:
-        broker.publisher(self.settings.broker_urls, self.settings.publish_timeout_s).publish(
+        broker.publisher_for(self.settings).publish(
             self.plan.ingest_exchange,
             self.plan.routing_key(max(0, wait_ms), entry.queue),
             entry.body,

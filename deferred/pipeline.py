@@ -61,7 +61,7 @@ from deferred.broker import (
     BrokerUnavailable,
     Delivery,
     Outgoing,
-    publisher,
+    publisher_for,
 )
 from deferred.cancels import CancelWatch
 from deferred.conf import DeferredSettings
@@ -565,7 +565,7 @@ class Pipeline:
         ours = [(d, job) for d, job in held if self.holds(d)]
         now = utcnow()
         if ours:
-            publisher(self.settings.broker_urls, self.settings.publish_timeout_s).publish_many(
+            publisher_for(self.settings).publish_many(
                 [
                     # A due job goes to its ready queue, where only a worker with a
                     # free slot takes it; one not due yet to be held again.
@@ -590,7 +590,7 @@ class Pipeline:
         signature, counts), with the priority its job asks for; confirmed, so that
         the caller may ack the old copy."""
         # A body that is no job goes as it is: the worker of the new queue refuses it.
-        publisher(self.settings.broker_urls, self.settings.publish_timeout_s).publish(
+        publisher_for(self.settings).publish(
             "",
             queue,
             body,
@@ -684,7 +684,7 @@ class Pipeline:
             return self._log(
                 job, 0.0, Outcome.FAILED, 0.0, extra, error=error, reason=failures.DELIVERY_LIMIT
             )
-        publisher(self.settings.broker_urls, self.settings.publish_timeout_s).publish(
+        publisher_for(self.settings).publish(
             "",
             delivery.queue,
             delivery.body,

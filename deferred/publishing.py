@@ -278,7 +278,7 @@ def publish_prepared(prepared: list[Prepared], settings: DeferredSettings) -> No
         return
     _check_topology(settings)
     plan = plan_topology(settings)
-    broker.publisher(settings.broker_urls, settings.publish_timeout_s).publish_many(
+    broker.publisher_for(settings).publish_many(
         [
             broker.Outgoing(
                 plan.ingest_exchange,
@@ -372,7 +372,7 @@ def publish(
         check_size(job, body, settings)
     _check_topology(settings)
     plan = plan_topology(settings)
-    broker.publisher(settings.broker_urls, settings.publish_timeout_s).publish(
+    broker.publisher_for(settings).publish(
         plan.ingest_exchange,
         plan.routing_key(wait_ms, job.queue),
         body,

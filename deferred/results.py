@@ -743,7 +743,7 @@ def record_redrive(settings: DeferredSettings, job: Job) -> None:
     _with_run(record, job)
     body, headers = _signed(encode([_with_call(record, job)]), settings.signing_keys)
     plan = plan_topology(settings)
-    broker.publisher(settings.broker_urls, settings.publish_timeout_s).publish(
+    broker.publisher_for(settings).publish(
         plan.ingest_exchange, RESULT_ROUTING_KEY, body, message_id=uuid.uuid4().hex, headers=headers
     )
 

@@ -63,6 +63,7 @@ from deferred.broker.publisher import (
     Publisher,
     _publisher,
     publisher,
+    publisher_for,
     send_record,
 )
 from deferred.broker.results import ResultReader, ResultWriter, Written
@@ -109,6 +110,7 @@ __all__ = [
     "parameters",
     "peek",
     "publisher",
+    "publisher_for",
     "read_stream",
     "safe_url",
     "send_record",

@@ -11,7 +11,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import lru_cache
-from typing import Any
+from typing import Any, Protocol
 
 import pika
 import pika.exceptions as px
@@ -409,6 +409,23 @@ def _properties(
 def publisher(urls: Urls, timeout: float = PUBLISH_TIMEOUT_S) -> Publisher:
     """The process-wide publisher for ``urls`` (one connection per thread)."""
     return _publisher(as_urls(urls), timeout)
+
+
+class PublishSettings(Protocol):
+    """What :func:`publisher_for` reads of the settings (``deferred.conf``'s
+    ``DeferredSettings``; the broker package does not import it)."""
+
+    @property
+    def broker_urls(self) -> tuple[str, ...]: ...
+
+    @property
+    def publish_timeout_s(self) -> float: ...
+
+
+def publisher_for(settings: PublishSettings) -> Publisher:
+    """The process-wide publisher of ``settings``: their nodes (``BROKER_URL``) and
+    ``PUBLISH_TIMEOUT``. The one place the library's own publishes get theirs from."""
+    return _publisher(as_urls(settings.broker_urls), settings.publish_timeout_s)
 
 
 @lru_cache(maxsize=8)
