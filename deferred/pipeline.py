@@ -606,15 +606,28 @@ class Pipeline:
                 return self.plan.ready_queues[name].name
         return queue
 
-    def _wait_for_cancels(self, job: Job, delivery: Delivery, error: BrokerError) -> Outcome:
-        """Send a due job back for a short wait while the cancels cannot be read."""
+    def _send_back(
+        self, job: Job, delivery: Delivery, delay: Any, now: datetime, *, next_attempt: bool = False
+    ) -> int:
+        """Publish ``job`` back into the delay line, ``delay`` from ``now`` (seconds, a
+        ``timedelta`` or a due time; at most ``MAX_DELAY`` at a time), confirmed, with
+        the delivery's trace headers, and return the wait in ms: the one way a worker
+        sends a job back to wait (a retry, with ``next_attempt``; a job that came
+        early; one waiting for the cancels). The caller acks the delivery after."""
         wait_ms = capped_delay_ms(
-            CANCELS_RETRY_S,
-            now=utcnow(),
+            delay,
+            now=now,
             resolution_ms=self.settings.resolution_ms,
             max_delay_ms=self.settings.max_delay_ms,
         )
+        if next_attempt:
+            job = job.next_attempt(now + timedelta(milliseconds=wait_ms), worker=self.worker_id)
         publish(job, wait_ms, settings=self.settings, headers=tracing.carried(delivery.headers))
+        return wait_ms
+
+    def _wait_for_cancels(self, job: Job, delivery: Delivery, error: BrokerError) -> Outcome:
+        """Send a due job back for a short wait while the cancels cannot be read."""
+        wait_ms = self._send_back(job, delivery, CANCELS_RETRY_S, utcnow())
         return self._log(
             job,
             _lateness_ms(job),
@@ -641,19 +654,7 @@ class Pipeline:
         The worker never sleeps on a retry and never holds the message: the
         wait happens in the broker, like any other delay.
         """
-        now = utcnow()
-        wait_ms = capped_delay_ms(
-            delay,
-            now=now,
-            resolution_ms=self.settings.resolution_ms,
-            max_delay_ms=self.settings.max_delay_ms,
-        )
-        publish(
-            job.next_attempt(now + timedelta(milliseconds=wait_ms), worker=self.worker_id),
-            wait_ms,
-            settings=self.settings,
-            headers=tracing.carried(delivery.headers),
-        )
+        wait_ms = self._send_back(job, delivery, delay, utcnow(), next_attempt=True)
         return self._log(
             job,
             lateness_ms,
@@ -704,13 +705,7 @@ class Pipeline:
         goes back to wait for the rest: never early."""
         # At most MAX_DELAY at a time: a job due further out (deferred under a
         # larger MAX_DELAY) simply comes back and waits again.
-        wait_ms = capped_delay_ms(
-            job.due,
-            now=now,
-            resolution_ms=self.settings.resolution_ms,
-            max_delay_ms=self.settings.max_delay_ms,
-        )
-        publish(job, wait_ms, settings=self.settings, headers=tracing.carried(delivery.headers))
+        wait_ms = self._send_back(job, delivery, job.due, now)
         return self._log(
             job,
             (now - job.due).total_seconds() * 1000,
