@@ -10,16 +10,29 @@ reason it is refused, and never raises, so that no message can stop a worker.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from deferred import signing
-from deferred.conf import DeferredSettings
 from deferred.jobs import BrokenMessage, Job
 
 #: Failure reason: the message is larger than ``MAX_MESSAGE_BYTES``; not read.
 TOO_LARGE = "too_large"
 #: Failure reason: not signed, or not with a key this process accepts; never run.
 BAD_SIGNATURE = "bad_signature"
+
+
+class IntakeSettings(Protocol):
+    """What :func:`read` needs of the settings (``deferred.conf``'s ``DeferredSettings``;
+    a protocol, so that this pure module does not import the settings)."""
+
+    @property
+    def max_message_bytes(self) -> int: ...
+
+    @property
+    def signing(self) -> bool: ...
+
+    @property
+    def signing_keys(self) -> tuple[str | bytes, ...]: ...
 
 
 @dataclass(frozen=True)
@@ -32,7 +45,7 @@ class Refused:
     keep_body: bool = True
 
 
-def read(body: bytes, headers: dict[str, Any] | None, settings: DeferredSettings) -> Job | Refused:
+def read(body: bytes, headers: dict[str, Any] | None, settings: IntakeSettings) -> Job | Refused:
     """The job in a message, or why it is refused; never raises."""
     if len(body) > settings.max_message_bytes:
         return Refused(
