@@ -68,7 +68,10 @@ def test_the_soft_limit_raises_in_the_task_which_cleans_up_and_fails_as_timed_ou
     assert wait_for(lambda: failed_list(), 10)
     assert events(records, "o") == ["start", "cleanup"]
     start, cleanup = read_records(records)
-    assert 0.25 <= cleanup["at"] - start["at"] < 2.0  # the limit counts from just before
+    # The 0.3-s limit counts from just before the event loop starts the coroutine, and
+    # the task's first line comes after that start: 249 ms was seen on a loaded host
+    # (Python 3.11, RabbitMQ 4.0), so the lower bound allows 150 ms for it.
+    assert 0.15 <= cleanup["at"] - start["at"] < 2.0
     (entry,) = failed_list()
     assert entry["id"] == job_id and entry["reason"] == "timed_out"
     assert "TimeLimitExceeded" in entry["error"]
@@ -103,7 +106,10 @@ def test_an_async_task_is_cancelled_at_its_await(records, run_worker):
     assert wait_for(lambda: failed_list(), 10)
     assert events(records, "a") == ["start", "cleanup"]
     start, cleanup = read_records(records)
-    assert 0.25 <= cleanup["at"] - start["at"] < 2.0  # the limit counts from just before
+    # The 0.3-s limit counts from just before the event loop starts the coroutine, and
+    # the task's first line comes after that start: 249 ms was seen on a loaded host
+    # (Python 3.11, RabbitMQ 4.0), so the lower bound allows 150 ms for it.
+    assert 0.15 <= cleanup["at"] - start["at"] < 2.0
     (entry,) = failed_list()
     assert entry["reason"] == "timed_out" and "TimeLimitExceeded" in entry["error"]
 
