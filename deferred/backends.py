@@ -361,20 +361,7 @@ class RabbitMQBackend(BaseTaskBackend):  # type: ignore[misc]
                 run_after=first_due if first_due and first_due > job.created else None,
             )
         )
-        return TaskResult(
-            task=task,
-            id=job.id,
-            status=TaskResultStatus.READY,
-            enqueued_at=job.created,
-            started_at=None,
-            finished_at=None,
-            last_attempted_at=None,
-            args=list(job.args),
-            kwargs=dict(job.kwargs),
-            backend=self.alias,
-            errors=[],
-            worker_ids=[],
-        )
+        return _ready(task, job.id, job.created, job.args, job.kwargs, self.alias)
 
     def _framework_task(self, found: Result) -> Any:
         """The django.tasks ``Task`` a record names, looked up as the worker does."""
@@ -422,20 +409,7 @@ class RabbitMQBackend(BaseTaskBackend):  # type: ignore[misc]
             priority=task.priority,
         )
         body = job.encode()  # TypeError now, naming the task, if JSON cannot carry the arguments
-        result = TaskResult(
-            task=task,
-            id=job.id,
-            status=TaskResultStatus.READY,
-            enqueued_at=now,
-            started_at=None,
-            finished_at=None,
-            last_attempted_at=None,
-            args=list(args),
-            kwargs=dict(kwargs),
-            backend=self.alias,
-            errors=[],
-            worker_ids=[],
-        )
+        result = _ready(task, job.id, now, args, kwargs, self.alias)
         return _Enqueuing(
             job,
             wait_ms,
@@ -536,26 +510,34 @@ def _remember(task_result: Any) -> None:
             _enqueued.popitem(last=False)
 
 
+def _ready(
+    task: Any, result_id: str, enqueued_at: datetime, args: Any, kwargs: Any, backend: str
+) -> Any:
+    """A ``READY`` result: enqueued, not started (at enqueue, from this process's memory,
+    or from the ledger)."""
+    return TaskResult(
+        task=task,
+        id=result_id,
+        status=TaskResultStatus.READY,
+        enqueued_at=enqueued_at,
+        started_at=None,
+        finished_at=None,
+        last_attempted_at=None,
+        args=list(args),
+        kwargs=dict(kwargs),
+        backend=backend,
+        errors=[],
+        worker_ids=[],
+    )
+
+
 def _enqueued_here(result_id: str) -> Any:
     """A fresh READY copy of a result this process enqueued, or ``None``."""
     with _enqueued_lock:
         known = _enqueued.get(result_id)
     if known is None:
         return None
-    return TaskResult(
-        task=known.task,
-        id=known.id,
-        status=TaskResultStatus.READY,
-        enqueued_at=known.enqueued_at,
-        started_at=None,
-        finished_at=None,
-        last_attempted_at=None,
-        args=list(known.args),
-        kwargs=dict(known.kwargs),
-        backend=known.backend,
-        errors=[],
-        worker_ids=[],
-    )
+    return _ready(known.task, known.id, known.enqueued_at, known.args, known.kwargs, known.backend)
 
 
 @dataclass(frozen=True)
