@@ -180,6 +180,28 @@ def run_worker() -> Iterator[Callable[..., Worker]]:
         assert not thread.is_alive(), "the worker did not stop"
 
 
+def run_python(script: str, *args: str, env: dict[str, str] | None = None) -> str:
+    """Run ``script`` in a new Python process of this project (the test settings, the
+    current PREFIX), and return what it printed; its failure fails the test."""
+    done = subprocess.run(
+        [sys.executable, "-c", script, *args],
+        cwd=ROOT,
+        env={
+            **os.environ,
+            "DJANGO_SETTINGS_MODULE": "tests.settings",
+            "PYTHONPATH": str(ROOT),
+            "DEFERRED_TEST_PREFIX": settings.DEFERRED["PREFIX"],
+            **(env or {}),
+        },
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
 class WorkerProcess:
     """``manage.py run_deferred_worker`` as a real subprocess, for signals and kills."""
 

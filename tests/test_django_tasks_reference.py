@@ -20,8 +20,6 @@ import json
 import logging
 import os
 import signal
-import subprocess
-import sys
 import time
 from datetime import UTC, datetime, timedelta
 from unittest import mock
@@ -42,7 +40,7 @@ from deferred.conf import get_settings
 from deferred.failures import list_failed
 from deferred.jobs import Job, new_job_id
 from deferred.publishing import publish
-from tests.conftest import ROOT, depth, total_waiting, wait_for
+from tests.conftest import depth, run_python, total_waiting, wait_for
 from tests.testapp.framework_tasks import (
     attempt_is,
     blocks_until,
@@ -503,22 +501,7 @@ print(json.dumps(out))
 def read_in_another_process(*result_ids: str) -> dict:
     """``get_result()`` and ``aget_result()`` of each id, in a new Python process (with
     the current PREFIX), as JSON."""
-    env = {
-        **os.environ,
-        "DJANGO_SETTINGS_MODULE": "tests.settings",
-        "PYTHONPATH": str(ROOT),
-        "DEFERRED_TEST_PREFIX": settings.DEFERRED["PREFIX"],
-    }
-    done = subprocess.run(
-        [sys.executable, "-c", READ_IN_ANOTHER_PROCESS, *result_ids],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout.splitlines()[-1])
+    return json.loads(run_python(READ_IN_ANOTHER_PROCESS, *result_ids).splitlines()[-1])
 
 
 def test_get_result_in_another_process(own_topology):

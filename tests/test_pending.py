@@ -6,9 +6,6 @@ worker running; against the real broker."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -22,7 +19,7 @@ from deferred.backends import _api, _exceptions
 from deferred.conf import get_settings
 from deferred.jobs import made_ms_of, new_job_id
 from deferred.pending import find
-from tests.conftest import wait_for
+from tests.conftest import run_python, wait_for
 from tests.testapp.framework_tasks import double
 from tests.testapp.tasks import record
 
@@ -79,18 +76,7 @@ def tidy(topology, raw_channel):
 
 def read_elsewhere(result_id: str) -> dict:
     """``get_result(result_id)`` in a new Python process."""
-    env = {**os.environ, "DJANGO_SETTINGS_MODULE": os.environ.get("DJANGO_SETTINGS_MODULE", "")}
-    done = subprocess.run(
-        [sys.executable, "-c", _READER, result_id],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return json.loads(run_python(_READER, result_id).strip().splitlines()[-1])
 
 
 def test_a_task_due_in_an_hour_reads_ready_in_another_process(clean):

@@ -4,9 +4,6 @@ SDK's in-memory exporter; and nothing at all without opentelemetry-api."""
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
-import sys
 
 import pytest
 from opentelemetry import trace
@@ -18,7 +15,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 from deferred import adefer, defer
 from deferred.conf import get_settings
 from deferred.failures import list_failed
-from tests.conftest import ROOT, wait_for
+from tests.conftest import run_python, wait_for
 from tests.testapp.tasks import explode_async, read_records, record
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -115,14 +112,4 @@ loaded = [m for m in sys.modules if m.startswith("opentelemetry.")]
 assert not loaded, loaded
 print("ok")
 """
-    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "tests.settings", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(
-        [sys.executable, "-c", script, records],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "ok"
+    assert run_python(script, records).strip() == "ok"
