@@ -42,11 +42,11 @@ from django.utils import timezone
 
 from deferred import pending
 from deferred.asynchronous import asubmit
-from deferred.conf import DeferredSettings, get_settings
+from deferred.conf import SETTINGS_BY_KEY, DeferredSettings, get_settings
 from deferred.context import running
 from deferred.delays import delay_ms
 from deferred.jobs import Job, due_of, new_job_id, utcnow
-from deferred.limits import Watch, parse_time_limit, run_async
+from deferred.limits import Watch, run_async
 from deferred.publishing import submit
 from deferred.results import (
     CANCELLED,
@@ -61,8 +61,6 @@ from deferred.results import (
 from deferred.retries import (
     Backoff,
     RetryPolicy,
-    parse_backoff,
-    validate_max_retries,
 )
 from deferred.tasks import SETTING, UnknownTask, check_call
 
@@ -187,19 +185,12 @@ class RabbitMQBackend(BaseTaskBackend):  # type: ignore[misc]
                 f"Unknown OPTIONS for TASKS[{alias!r}]: {', '.join(unknown)}. "
                 f"Known: {', '.join(OPTION_NAMES)}."
             )
-        on_commit = options.get("ON_COMMIT")
-        if on_commit is not None and not isinstance(on_commit, bool):
-            raise InvalidTaskBackend(
-                f"TASKS[{alias!r}]['OPTIONS']['ON_COMMIT'] must be True or False."
-            )
-        self.on_commit: bool | None = on_commit
-        self.max_retries: int | None = _option(alias, options, "MAX_RETRIES", validate_max_retries)
-        self.retry_backoff: Backoff | None = _option(alias, options, "RETRY_BACKOFF", parse_backoff)
+        self.on_commit: bool | None = _option(alias, options, "ON_COMMIT")
+        self.max_retries: int | None = _option(alias, options, "MAX_RETRIES")
+        self.retry_backoff: Backoff | None = _option(alias, options, "RETRY_BACKOFF")
         #: Seconds an attempt may run; ``SETTING``: DEFERRED['TIME_LIMIT'] (``None``: no limit).
         self.time_limit_s: float | None = (
-            _option(alias, options, "TIME_LIMIT", parse_time_limit)
-            if "TIME_LIMIT" in options
-            else SETTING
+            _option(alias, options, "TIME_LIMIT") if "TIME_LIMIT" in options else SETTING
         )
 
     def validate_task(self, task: Any) -> None:
@@ -550,14 +541,15 @@ class _Enqueuing:
     submit_options: dict[str, Any]
 
 
-def _option(alias: str, options: dict[str, Any], name: str, parse: Any) -> Any:
-    """``OPTIONS[name]`` parsed by the same function as its DEFERRED twin; ``None`` if unset."""
+def _option(alias: str, options: dict[str, Any], name: str) -> Any:
+    """``OPTIONS[name]`` parsed by its DEFERRED twin's row of the settings table, so
+    that both take the same values and say the same of a bad one; ``None`` if unset."""
     if options.get(name) is None:
         return None
     try:
-        return parse(options[name])
-    except (TypeError, ValueError) as exc:
-        raise InvalidTaskBackend(f"TASKS[{alias!r}]['OPTIONS'][{name!r}]: {exc}") from exc
+        return SETTINGS_BY_KEY[name].parse(f"TASKS[{alias!r}]['OPTIONS'][{name!r}]", options[name])
+    except ImproperlyConfigured as exc:
+        raise InvalidTaskBackend(str(exc)) from exc
 
 
 def _target_queue(queue_name: str, configured: tuple[str, ...]) -> str | None:

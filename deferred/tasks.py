@@ -311,7 +311,7 @@ def task(
         if not isinstance(task_name, str) or not task_name:
             raise ValueError(f"A task name must be a non-empty string, got {task_name!r}.")
         if queue is not None:
-            from deferred.conf import validate_queue_name
+            from deferred.parsers import validate_queue_name
 
             validate_queue_name(queue)
         if schedule is not None:

@@ -1,5 +1,5 @@
-"""The generated reference (docs/_ext): every setting is described by the comment above
-it in conf.py and filed under one topic, every failure reason by the comment on its
+"""The generated reference (docs/_ext): every setting is described by its row of the
+settings table in conf.py and filed under its topic, every failure reason by the comment on its
 constant, every command by its own options; the anchors other pages link to exist."""
 
 from __future__ import annotations
@@ -9,8 +9,10 @@ import pkgutil
 import sys
 from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+from sphinx.errors import ExtensionError
 
 from deferred import conf
 
@@ -18,49 +20,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "docs" / "_ext")
 reference = importlib.import_module("deferred_reference")
 
 
-def test_every_setting_has_a_description_from_the_code():
-    described = reference.setting_comments(Path(conf.__file__).read_text())
-    assert set(described) == set(conf.DEFAULTS)
-    blank = [key for key, text in described.items() if len(text.split()) < 4]
-    assert not blank, f"settings without a comment above them in conf.py: {blank}"
+def test_every_setting_has_words_and_a_topic_in_the_table():
+    assert [row.key for row in conf.SETTINGS] == list(conf.DEFAULTS)
+    blank = [row.key for row in conf.SETTINGS if len(row.doc.split()) < 4]
+    assert not blank, f"settings without words in the table (deferred/conf.py): {blank}"
+    topics = reference.settings_by_topic(conf.SETTINGS)
+    assert sum(len(rows) for rows in topics.values()) == len(conf.SETTINGS)
+    assert next(iter(topics)) == "Broker connection"
 
 
-def test_a_key_gets_only_the_comment_right_above_it():
-    source = """
-DEFAULTS = {
-    # The first key,
-    # in two lines.
-    "A": 1,
-    "B": 2,
-
-    # The third.
-    "C": 3,
-}
-"""
-    assert reference.setting_comments(source) == {
-        "A": "The first key, in two lines.",
-        "B": "",
-        "C": "The third.",
-    }
-
-
-def test_the_settings_topics_hold_every_setting_exactly_once():
-    listed = [key for keys in reference.SETTING_TOPICS.values() for key in keys]
-    assert sorted(listed) == sorted(conf.DEFAULTS)
-    reference.check_setting_topics(reference.SETTING_TOPICS, conf.DEFAULTS)
-
-
-@pytest.mark.parametrize(
-    ("topics", "message"),
-    [
-        ({"T": ("A",)}, "not in any topic: B"),
-        ({"T": ("A", "B", "C")}, "not in deferred.conf.DEFAULTS: C"),
-        ({"T": ("A", "B"), "U": ("B",)}, "in more than one topic: B"),
-    ],
-)
-def test_a_settings_topics_mismatch_is_an_error(topics, message):
-    with pytest.raises(ValueError, match=message):
-        reference.check_setting_topics(topics, ["A", "B"])
+def test_a_topic_whose_rows_are_apart_fails_the_build():
+    rows = [SimpleNamespace(key=key, topic=topic) for key, topic in [("A", "T"), ("B", "U")]]
+    assert list(reference.settings_by_topic(rows)) == ["T", "U"]
+    with pytest.raises(ExtensionError, match="C under 'T' away from"):
+        reference.settings_by_topic([*rows, SimpleNamespace(key="C", topic="T")])
 
 
 def test_a_setting_anchor_is_the_key_as_written():
@@ -169,14 +142,12 @@ def test_every_setting_and_command_has_an_anchor_other_pages_can_link_to(tmp_pat
 
 
 @myst_deprecation
-def test_the_build_fails_when_a_setting_has_no_topic(tmp_path, monkeypatch, capsys):
-    topics = dict(reference.SETTING_TOPICS)
-    first = next(iter(topics))
-    topics[first] = topics[first][1:]
-    monkeypatch.setattr(reference, "SETTING_TOPICS", topics)
+def test_the_build_fails_when_a_row_is_away_from_its_topic(tmp_path, monkeypatch, capsys):
+    # The first row (BROKER_URL, "Broker connection") moved to the end of the table.
+    monkeypatch.setattr(conf, "SETTINGS", (*conf.SETTINGS[1:], conf.SETTINGS[0]))
     status, _ = _build(tmp_path / "docs", {"settings": REFERENCE_PAGES["settings"]})
     assert status != 0
-    assert "not in any topic" in capsys.readouterr().err
+    assert "BROKER_URL under 'Broker connection' away from" in capsys.readouterr().err
 
 
 def test_every_failure_reason_is_named_and_described():

@@ -1,5 +1,6 @@
 """The DEFERRED setting: defaults, validation, and manage.py check."""
 
+from dataclasses import dataclass
 from datetime import timedelta
 
 import pytest
@@ -7,6 +8,8 @@ from django.core.checks import run_checks
 from django.core.exceptions import ImproperlyConfigured
 from django.test import override_settings
 
+from deferred import conf, parsers
+from deferred.backends import InvalidTaskBackend, RabbitMQBackend
 from deferred.conf import get_settings
 
 
@@ -119,3 +122,50 @@ def test_the_delay_queues_follow_queue_type_unless_told_and_the_heartbeat_is_who
     assert settings_for().worker_heartbeat_s == 5
     assert settings_for(WORKER_HEARTBEAT=timedelta(seconds=2)).worker_heartbeat_s == 2
     assert settings_for(WORKER_HEARTBEAT=1).worker_heartbeat_s == 1
+
+
+def test_adding_a_setting_is_one_row():
+    # A table with one more row (a field of DeferredSettings) and nothing else:
+    @dataclass(frozen=True, kw_only=True)
+    class WithGreeting(conf.DeferredSettings):
+        greeting: str = conf.setting(
+            "GREETING", "hello", parsers.prefix, conf.WORKER, "What the worker says first."
+        )
+
+    # its default, its parser and its unknown-key check all come from the row.
+    assert conf._build({}, WithGreeting).greeting == "hello"  # type: ignore[attr-defined]
+    built = conf._build({"GREETING": "hi", "RADIX": 4}, WithGreeting)
+    assert (built.greeting, built.radix) == ("hi", 4)  # type: ignore[attr-defined]
+    with pytest.raises(ImproperlyConfigured, match=r"DEFERRED\['GREETING'\] must be 1-100"):
+        conf._build({"GREETING": "has space"}, WithGreeting)
+    with pytest.raises(ImproperlyConfigured, match="Unknown DEFERRED settings: GREETING"):
+        conf._build({"GREETING": "hi"})
+
+
+def test_every_row_parses_its_own_default():
+    # The defaults are written as a project writes them (timedeltas, lists), and each
+    # row's parser takes its own: a row whose default it refuses would break every project.
+    for row in conf.SETTINGS:
+        row.parse(f"DEFERRED[{row.key!r}]", row.default)
+    assert conf.DEFAULTS["PUBLISH_TIMEOUT"] == timedelta(seconds=10)
+    assert settings_for().publish_timeout_s == 10
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "says"),
+    [
+        ("ON_COMMIT", "yes", "must be True or False, got 'yes'"),
+        ("MAX_RETRIES", -1, "MAX_RETRIES"),
+        ("RETRY_BACKOFF", {"base": -1}, "RETRY_BACKOFF"),
+        ("TIME_LIMIT", "1h", "TIME_LIMIT"),
+    ],
+)
+def test_the_backend_options_say_what_the_setting_says(key, value, says):
+    # The django.tasks backend's OPTIONS parse with the settings' own rows: the same
+    # value is refused with the same words, under the option's name.
+    with pytest.raises(ImproperlyConfigured, match=says) as setting_error:
+        settings_for(**{key: value})
+    with pytest.raises(InvalidTaskBackend) as option_error:
+        RabbitMQBackend("jobs", {"OPTIONS": {key: value}})
+    option_words = str(option_error.value).replace("TASKS['jobs']['OPTIONS']", "DEFERRED")
+    assert option_words == str(setting_error.value)

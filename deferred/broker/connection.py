@@ -124,7 +124,7 @@ def parameters(url: str) -> pika.URLParameters:
     ``password``, ``ciphers``, ``server_hostname``), read here rather than by
     pika so that naming a CA file or a client certificate keeps verification
     and host-name checks on, and leaves the system's CAs out only when a CA
-    file is given. The ``TLS_*`` settings arrive this way (see conf.py).
+    file is given. The ``TLS_*`` settings arrive this way (:func:`with_tls_options`).
     """
     rest, ssl_value = _split_ssl_options(url)
     params = pika.URLParameters(rest)
@@ -144,6 +144,28 @@ def tls_context(url: str) -> ssl.SSLContext | None:
         return None
     context: ssl.SSLContext = _ssl_options(ssl_value).context
     return context
+
+
+def with_tls_options(url: str, **options: str | None) -> str:
+    """``url`` with ``options`` (``cafile``, ``certfile``, ``keyfile``,
+    ``server_hostname``; None left out) as pika's ``ssl_options`` query argument.
+
+    The URL is what every connection is made from, so the options travel with
+    it: :func:`parameters` turns them into an SSL context. ``ValueError`` for a
+    URL that is not amqps://, or that has ``ssl_options`` of its own.
+    """
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme != "amqps":
+        raise ValueError(
+            "they apply to amqps:// broker URLs; "
+            f"{parts.scheme}://{parts.hostname}:{parts.port or 5672} is not encrypted."
+        )
+    query = urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
+    if any(key == "ssl_options" for key, _ in query):
+        raise ValueError("a broker URL has its own ssl_options as well: use one or the other.")
+    given = {key: value for key, value in options.items() if value is not None}
+    query.append(("ssl_options", repr(given)))
+    return urllib.parse.urlunsplit(parts._replace(query=urllib.parse.urlencode(query)))
 
 
 def _split_ssl_options(url: str) -> tuple[str, str | None]:

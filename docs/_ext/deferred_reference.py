@@ -2,9 +2,9 @@
 
 Directives:
 
-- ``deferred-settings``: every key of ``deferred.conf.DEFAULTS``, grouped by
-  topic (``SETTING_TOPICS``), each with its anchor, its default and the
-  comment written above it in ``conf.py``;
+- ``deferred-settings``: every row of the settings table
+  (``deferred.conf.SETTINGS``), grouped by its topic in the table's order, each
+  with its anchor, its default and its words;
 - ``deferred-commands``: every management command of the app with its
   ``--help``, minus the options Django gives every command;
 - ``deferred-failure-reasons``: every reason a job can have in the failed
@@ -16,14 +16,11 @@ Directives:
 from __future__ import annotations
 
 import argparse
-import ast
 import functools
 import importlib
-import io
 import logging
 import pkgutil
 import re
-import tokenize
 from collections.abc import Iterable
 from datetime import timedelta
 from pathlib import Path
@@ -83,115 +80,24 @@ def _default(value: Any) -> str:
     return repr(value)
 
 
-def setting_comments(source: str) -> dict[str, str]:
-    """The comment lines written just above each key of the ``DEFAULTS`` dict literal."""
-    tree = ast.parse(source)
-    keys: dict[int, str] = {}
-    for node in ast.walk(tree):
-        if (
-            isinstance(node, ast.AnnAssign | ast.Assign)
-            and isinstance(node.value, ast.Dict)
-            and "DEFAULTS"
-            in ast.unparse(node.targets[0] if isinstance(node, ast.Assign) else node.target)
-        ):
-            for key_node in node.value.keys:
-                if isinstance(key_node, ast.Constant) and isinstance(key_node.value, str):
-                    keys[key_node.lineno] = key_node.value
-    comments: dict[int, str] = {}
-    for token in tokenize.generate_tokens(io.StringIO(source).readline):
-        if token.type == tokenize.COMMENT:
-            comments[token.start[0]] = token.string.lstrip("#").strip()
-    found: dict[str, str] = {}
-    for line, key in sorted(keys.items()):
-        above: list[str] = []
-        n = line - 1
-        while n in comments:
-            above.insert(0, comments[n])
-            n -= 1
-        found[key] = " ".join(above)  # empty: the test of the reference fails
-    return found
+def settings_by_topic(rows: Iterable[Any]) -> dict[str, list[Any]]:
+    """The table's rows by topic, topics and rows in the table's order (the page's).
 
-
-#: The settings page's sections, in page order, each with its keys in reading
-#: order: the key a project sets first, then the ones that refine it (an A-Z
-#: list of every key heads the page). A key belongs where its comment in
-#: deferred/conf.py says its effect is felt: CONSUMER_TIMEOUT is a queue
-#: argument but bounds how long a worker may run a job, so it sits with the
-#: worker; the TLS_* keys only shape the broker connection. Every key of
-#: DEFAULTS is in exactly one section, or the build fails
-#: (:func:`check_setting_topics`), so a new setting cannot be left off the page.
-SETTING_TOPICS: dict[str, tuple[str, ...]] = {
-    "Broker connection": (
-        "BROKER_URL",
-        "TLS_CA_FILE",
-        "TLS_CERT_FILE",
-        "TLS_KEY_FILE",
-        "TLS_SERVER_NAME",
-        "MANAGEMENT_URL",
-    ),
-    "Publishing: defer()": ("PUBLISH_TIMEOUT", "ON_COMMIT", "MAX_MESSAGE_BYTES"),
-    "Topology and delays": (
-        "PREFIX",
-        "QUEUES",
-        "QUEUE_TYPE",
-        "DELAY_QUEUE_TYPE",
-        "QUORUM_GROUP_SIZE",
-        "DECLARE",
-        "MAX_DELAY",
-        "RADIX",
-        "RESOLUTION",
-    ),
-    "Worker": (
-        "TIME_LIMIT",
-        "TIME_LIMIT_GRACE",
-        "CONSUMER_TIMEOUT",
-        "WORKER_HEARTBEAT",
-        "PRIORITIES",
-        "HOLD_WINDOW",
-        "HOLD_PREFETCH",
-    ),
-    "Retries and failures": ("MAX_RETRIES", "RETRY_BACKOFF", "DELIVERY_LIMIT"),
-    "Recurring jobs and cancels": ("SCHEDULES", "CANCEL_MARGIN"),
-    "Results": (
-        "RESULTS",
-        "RESULT_TTL",
-        "RESULT_MAX_BYTES",
-        "RESULT_CACHE",
-        "RESULT_CACHE_TIMEOUT",
-    ),
-    "Clusters": ("STUCK_AFTER", "REPAIR_STUCK"),
-    "Broker restarts": ("LEDGER",),
-    "Security": (
-        "SIGNING",
-        "SIGNING_KEY",
-        "SIGNING_KEY_FALLBACKS",
-        "METRICS_TOKEN",
-        "METRICS_ALLOW",
-    ),
-}
-
-
-def check_setting_topics(topics: dict[str, tuple[str, ...]], defaults: Iterable[str]) -> None:
-    """Raise ``ValueError`` unless every key of ``defaults`` is in exactly one topic.
-
-    A setting missing from the page, listed twice, or kept on it after being
-    removed from the code would make the reference lie; the directive turns
-    this into a failed build.
+    A topic's rows stand together in the table; one that comes back after
+    another topic is a row out of place, and fails the build rather than
+    splitting a section in two.
     """
-    known = set(defaults)
-    listed = [key for keys in topics.values() for key in keys]
-    problems = []
-    if missing := sorted(known - set(listed)):
-        problems.append(f"not in any topic: {', '.join(missing)}")
-    if unknown := sorted(set(listed) - known):
-        problems.append(f"not in deferred.conf.DEFAULTS: {', '.join(unknown)}")
-    if twice := sorted({key for key in listed if listed.count(key) > 1}):
-        problems.append(f"in more than one topic: {', '.join(twice)}")
-    if problems:
-        raise ValueError(
-            "SETTING_TOPICS in docs/_ext/deferred_reference.py does not match "
-            f"deferred.conf.DEFAULTS: {'; '.join(problems)}."
-        )
+    topics: dict[str, list[Any]] = {}
+    last = None
+    for row in rows:
+        if row.topic != last and row.topic in topics:
+            raise ExtensionError(
+                f"The settings table files {row.key} under {row.topic!r} away from that "
+                "topic's other rows: keep each topic's rows together (deferred/conf.py)."
+            )
+        topics.setdefault(row.topic, []).append(row)
+        last = row.topic
+    return topics
 
 
 def setting_anchor(key: str) -> str:
@@ -256,22 +162,19 @@ class SettingsDirective(SphinxDirective):
 
     def run(self) -> list[nodes.Node]:
         conf = importlib.import_module("deferred.conf")
-        try:
-            check_setting_topics(SETTING_TOPICS, conf.DEFAULTS)
-        except ValueError as exc:
-            raise ExtensionError(str(exc)) from exc
-        comments = setting_comments(Path(str(conf.__file__)).read_text())
         result: list[nodes.Node] = [self._index(conf.DEFAULTS)]
-        for topic, keys in SETTING_TOPICS.items():
+        for topic, rows in settings_by_topic(conf.SETTINGS).items():
             group = _labelled_section(self, f"settings-{slug(topic)}", nodes.Text(topic))
-            for key in keys:
-                section = _labelled_section(self, setting_anchor(key), nodes.literal(key, key))
+            for row in rows:
+                section = _labelled_section(
+                    self, setting_anchor(row.key), nodes.literal(row.key, row.key)
+                )
                 section["classes"].append("deferred-setting")
                 default = nodes.paragraph(classes=["deferred-setting-default"])
                 default += nodes.Text("Default: ")
-                default += nodes.literal(text=_default(conf.DEFAULTS[key]))
+                default += nodes.literal(text=_default(row.default))
                 section += default
-                section += _description(comments.get(key, ""), conf.DEFAULTS, key)
+                section += _description(row.doc, conf.DEFAULTS, row.key)
                 group += section
             result.append(group)
         return result
