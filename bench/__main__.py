@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
             points += sustained.run(
                 p["mix_configs"], p["mix_rates"], other_mixes, p["sustained_seconds"]
             )
-        from deferred.topology import build_plan
+        from deferred.core.topology import build_plan
 
         hops = {}
         for config in p["sustained_configs"]:

@@ -25,7 +25,7 @@ from bench.common import Config, summary, topology
 from bench.tasks import noop
 from deferred import adefer, defer
 from deferred.broker import admin_channel
-from deferred.jobs import Job, new_job_id, utcnow
+from deferred.core.jobs import Job, new_job_id, utcnow
 
 TICK_S = 0.001
 

@@ -24,9 +24,9 @@ from typing import Any
 from bench.common import Config, Worker, summary, topology, wait_until
 from bench.tasks import noop
 from deferred import cancel, cancel_many, defer
-from deferred.cancels import CancelWatch, decode, marker_of
 from deferred.conf import get_settings
-from deferred.jobs import new_job_id, utcnow
+from deferred.core.jobs import new_job_id, utcnow
+from deferred.records.cancels import CancelWatch, decode, marker_of
 
 READ = re.compile(r"Read the cancels: (\d+) in force \(([\d.]+) s\)")
 

@@ -14,7 +14,7 @@
    runs, the ``defer()`` calls that raised, the lateness of the jobs due after
    the kill, duplicates, and the jobs lost once the node is back and
    ``deferred_repair`` has released any stuck dead-letters. Jobs stranded
-   that way (a RabbitMQ bug after a leader change, see ``deferred.stuck``)
+   that way (a RabbitMQ bug after a leader change, see ``deferred.cluster.stuck``)
    are counted apart, with how late they ran.
 
 The cluster is started if it does not run, and stopped at the end only then.
@@ -46,11 +46,11 @@ from bench.common import ROOT, Config, Worker, percentile, summary, topology, wa
 from bench.tasks import noop
 from deferred import broker, defer
 from deferred.broker import BrokerError
-from deferred.cluster import management_api
+from deferred.cluster.nodes import management_api
+from deferred.cluster.repair import cli_dead_lettered
+from deferred.cluster.stuck import find_stuck
 from deferred.conf import get_settings
-from deferred.repair import cli_dead_lettered
-from deferred.stuck import find_stuck
-from deferred.topology import Plan
+from deferred.core.topology import Plan
 
 SCRIPT = ROOT / "scripts" / "local-cluster.sh"
 PORT = int(os.environ.get("DEFERRED_CLUSTER_PORT", "5681"))

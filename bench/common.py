@@ -23,7 +23,7 @@ from django.test import override_settings
 
 from deferred.broker import admin_channel
 from deferred.conf import DEFAULTS, get_settings
-from deferred.topology import Plan, plan_topology
+from deferred.core.topology import Plan, plan_topology
 
 ROOT = Path(__file__).resolve().parent.parent
 BROKER_URL = os.environ.get("DEFERRED_BROKER_URL", "amqp://guest:guest@127.0.0.1:5672/%2F")

@@ -15,9 +15,11 @@ from typing import Any
 
 from bench.common import Config, Worker, summary, topology
 from bench.tasks import framework_noop, noop
-from deferred import defer, failures, status
+from deferred import defer
 from deferred.conf import get_settings
-from deferred.jobs import Job, utcnow
+from deferred.core.jobs import Job, utcnow
+from deferred.operate import status
+from deferred.records import failures
 
 
 def _timed(call: Any, n: int) -> list[float]:

@@ -45,7 +45,7 @@ from bench.tasks import _seen, noop
 from deferred import current_job, defer, defer_many, task
 from deferred.broker import admin_channel
 from deferred.conf import get_settings
-from deferred.topology import Plan, plan_topology
+from deferred.core.topology import Plan, plan_topology
 from deferred.worker import Worker
 
 QUEUES = ["default", "other"]

@@ -46,7 +46,7 @@ from bench.common import (
     topology,
 )
 from deferred.broker import BrokerError
-from deferred.parsers import MANAGEMENT_PORT
+from deferred.core.parsers import MANAGEMENT_PORT
 
 SCRIPT = ROOT / "scripts" / "rabbitmq-release.sh"
 #: As scenario 4: one worker process with this concurrency, this many producer threads.

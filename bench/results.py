@@ -131,8 +131,8 @@ Sign = Callable[[bytes], dict[str, Any]]
 
 def signer() -> Sign:
     """Sign as the workers do, with the jobs' key of the configured project."""
-    from deferred import signing
     from deferred.conf import get_settings
+    from deferred.core import signing
 
     keys = get_settings().signing_keys
     return lambda body: signing.sign(body, keys)
@@ -149,8 +149,8 @@ def _properties(headers: dict[str, Any]) -> pika.BasicProperties:
 
 def _pool(sign: Sign, rng: random.Random) -> dict[int, list[tuple[bytes, Any]]]:
     """Signed stream messages of each batch size, other jobs' records in each."""
-    from deferred.jobs import new_job_id
-    from deferred.results import encode
+    from deferred.core.jobs import new_job_id
+    from deferred.records.results import encode
 
     now = time.time()
     pool: dict[int, list[tuple[bytes, Any]]] = {}
@@ -305,8 +305,8 @@ class Trickle:
 
     def __init__(self, urls: Sequence[str], exchange: str, sign: Sign, rate: float = LOAD_RATE):
         from deferred.broker import ResultWriter
-        from deferred.results import encode
-        from deferred.topology import RESULT_ROUTING_KEY
+        from deferred.core.topology import RESULT_ROUTING_KEY
+        from deferred.records.results import encode
 
         def encoded(records: list[Any]) -> tuple[bytes, dict[str, Any]]:
             body = encode(records)
@@ -328,7 +328,7 @@ class Trickle:
         self.writer.stop()
 
     def _run(self) -> None:
-        from deferred.jobs import new_job_id
+        from deferred.core.jobs import new_job_id
 
         rng = random.Random(2)
         at = time.monotonic()
@@ -344,7 +344,7 @@ class Trickle:
     def job(self) -> str:
         """A job due now that runs ``LATE_S`` late for ``RUN_S``: its record goes out
         with the others' (confirmed on return). Its id."""
-        from deferred.jobs import new_job_id, utcnow
+        from deferred.core.jobs import new_job_id, utcnow
 
         job_id = new_job_id(utcnow())
         time.sleep(LATE_S)
@@ -677,8 +677,8 @@ def lookups_main(argv: list[str]) -> int:
     django.setup()
     from deferred import result
     from deferred.conf import get_settings
-    from deferred.results import CLOCK_SLACK_S
-    from deferred.topology import plan_topology
+    from deferred.core.topology import plan_topology
+    from deferred.records.results import CLOCK_SLACK_S
 
     settings = get_settings()
     stream = plan_topology(settings).results_queue.name
@@ -765,7 +765,7 @@ def fill_main(argv: list[str]) -> int:
 
     django.setup()
     from deferred.conf import get_settings
-    from deferred.topology import plan_topology
+    from deferred.core.topology import plan_topology
 
     settings = get_settings()
     stream = plan_topology(settings).results_queue.name
@@ -1005,8 +1005,8 @@ def part_day(args: argparse.Namespace) -> dict[str, Any]:
     from bench.common import Config, topology
     from deferred import result
     from deferred.conf import get_settings
-    from deferred.jobs import due_of
-    from deferred.results import CLOCK_SLACK_S
+    from deferred.core.jobs import due_of
+    from deferred.records.results import CLOCK_SLACK_S
 
     out: dict[str, Any] = {"raw": raw_limits(args.raw)}
     base = _data_dir()

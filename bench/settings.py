@@ -48,7 +48,7 @@ if os.environ.get("BENCH_SIGNING") == "0":
 
 # The schedules scenario: bench.tick every BENCH_EVERY_S seconds.
 if os.environ.get("BENCH_EVERY_S"):
-    from deferred.schedule import every
+    from deferred.core.schedule import every
 
     DEFERRED["SCHEDULES"] = {"bench.tick": every(seconds=float(os.environ["BENCH_EVERY_S"]))}
 

@@ -15,10 +15,11 @@ from django.test import override_settings
 
 from bench.common import Config, Worker, summary, topology, wait_until
 from bench.tasks import noop
-from deferred import defer, defer_many, signing
+from deferred import defer, defer_many
 from deferred.broker import admin_channel
 from deferred.conf import get_settings
-from deferred.jobs import Job, new_job_id, utcnow
+from deferred.core import signing
+from deferred.core.jobs import Job, new_job_id, utcnow
 
 
 def _unsigned(prefix: str, config: Config) -> Any:

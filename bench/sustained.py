@@ -17,7 +17,7 @@ from typing import Any
 from bench.common import Config, Worker, broker_pids, cpu_meter, summary, topology
 from bench.tasks import noop
 from deferred import defer
-from deferred.topology import Plan
+from deferred.core.topology import Plan
 
 #: Real-world delays, in seconds; run scaled down by HUMAN_SCALE.
 HUMAN_DELAYS = [30, 60, 300, 3600, 86400]

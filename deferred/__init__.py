@@ -13,7 +13,6 @@ cancel(job_id)  # changed our mind: it will not run
 #: The package's version: the one place it is written (pyproject.toml reads it).
 __version__ = "0.1.0"
 
-from deferred.asynchronous import adefer, adefer_many
 from deferred.broker import (
     BrokerError,
     BrokerUnavailable,
@@ -21,14 +20,15 @@ from deferred.broker import (
     PublishRefused,
     TopologyNotDeclared,
 )
-from deferred.cancels import cancel, cancel_many
-from deferred.context import current_job
-from deferred.limits import TimeLimitExceeded
-from deferred.publishing import defer, defer_many
-from deferred.results import Result, aresult, result
-from deferred.retries import Exponential, Retry
-from deferred.schedule import cron, every
-from deferred.tasks import Task, task
+from deferred.core.context import current_job
+from deferred.core.limits import TimeLimitExceeded
+from deferred.core.retries import Exponential, Retry
+from deferred.core.schedule import cron, every
+from deferred.producer.asynchronous import adefer, adefer_many
+from deferred.producer.publishing import defer, defer_many
+from deferred.producer.tasks import Task, task
+from deferred.records.cancels import cancel, cancel_many
+from deferred.records.results import Result, aresult, result
 
 from deferred import testing  # isort: skip  # after the names it uses
 

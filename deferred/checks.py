@@ -13,8 +13,8 @@ from django.core.exceptions import ImproperlyConfigured
 
 from deferred.broker import BrokerError, server_version
 from deferred.conf import get_settings
-from deferred.priorities import broker_levels, honoured
-from deferred.tasks import SETTING, registered_tasks
+from deferred.core.priorities import broker_levels, honoured
+from deferred.producer.tasks import SETTING, registered_tasks
 
 
 @register()

@@ -1,7 +1,7 @@
 """The ``DEFERRED`` setting: one table, read once into a frozen, validated object.
 
 Each field of :class:`DeferredSettings` is a row of the table: its key in
-``DEFERRED``, its default, the parser that checks it (``deferred.parsers``), the
+``DEFERRED``, its default, the parser that checks it (``deferred.core.parsers``), the
 topic and the words of the settings reference, which the docs render from here.
 Adding a setting is one row; :func:`_build` is a loop over the rows plus the
 checks that span several of them.
@@ -27,12 +27,12 @@ from django.core.exceptions import ImproperlyConfigured
 from django.core.signals import setting_changed
 from django.dispatch import receiver
 
-from deferred import parsers
 from deferred.broker.connection import with_tls_options
-from deferred.parsers import Parser
-from deferred.retries import Backoff
-from deferred.schedule import Schedule
-from deferred.topology import (
+from deferred.core import parsers
+from deferred.core.parsers import Parser
+from deferred.core.retries import Backoff
+from deferred.core.schedule import Schedule
+from deferred.core.topology import (
     CANCEL_MARGIN_MS,
     MAX_TTL_MS,
     RESULT_TTL_MS,
@@ -396,7 +396,7 @@ class DeferredSettings:
         True,
         p.flag,
         RESULTS,
-        """Results (deferred.results): workers write each job's start and outcome to the
+        """Results (deferred.records.results): workers write each job's start and outcome to the
         PREFIX.results stream, which deferred.result(id) and the django.tasks backend's
         get_result() read. False: nothing is written, at no cost.""",
     )
@@ -463,7 +463,7 @@ class DeferredSettings:
         True,
         p.flag,
         RESTARTS,
-        """The ledger (deferred.ledger): the broker copies every job published into the
+        """The ledger (deferred.core.ledger): the broker copies every job published into the
         PREFIX.ledger stream, and after a broker restart one worker (the keeper) publishes
         again the jobs that were moving between two delay queues when it went down. False:
         no ledger, and such a job can be lost.""",
@@ -477,7 +477,7 @@ class DeferredSettings:
         p.flag,
         SECURITY,
         """Every message carries an HMAC of its body; the worker runs only jobs signed
-        with one of the keys (see deferred/signing.py). False: messages are still signed
+        with one of the keys (see deferred/core/signing.py). False: messages are still signed
         when a key exists, but not checked (a mixed fleet during an upgrade).""",
     )
     signing_key: str | bytes | None = setting(

@@ -43,10 +43,11 @@ from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import Any
 
-from deferred import cancels, publishing
-from deferred.jobs import Job
-from deferred.runnable import resolve
-from deferred.tasks import Task
+from deferred.core.jobs import Job
+from deferred.producer import publishing
+from deferred.producer.tasks import Task
+from deferred.records import cancels
+from deferred.worker.runnable import resolve
 
 
 class CapturedJobs(list[Job]):
@@ -66,7 +67,7 @@ class CapturedJobs(list[Job]):
 
     def take(self, job: Job) -> None:
         """Capture ``job``; a keyed one supersedes the captured jobs of its key
-        (what the worker does with them when they come due: ``deferred.keys``)."""
+        (what the worker does with them when they come due: ``deferred.core.keys``)."""
         if job.key is not None:
             self[:] = [other for other in self if other.key != job.key]
         self.append(job)
@@ -175,9 +176,9 @@ def fire_schedule(task: Task[..., Any] | str, after: datetime | None = None) -> 
     ``LookupError`` if the task has no schedule.
     """
     from deferred.conf import get_settings
-    from deferred.jobs import utcnow
-    from deferred.schedule import occurrence_id
-    from deferred.scheduler import Occurrence, occurrence_job, scheduled_tasks
+    from deferred.core.jobs import utcnow
+    from deferred.core.schedule import occurrence_id
+    from deferred.worker.scheduler import Occurrence, occurrence_job, scheduled_tasks
 
     settings = get_settings()
     name = task if isinstance(task, str) else task.name

@@ -26,10 +26,11 @@ from django.views.decorators.cache import never_cache
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_GET, require_POST
 
-from deferred import cancels, failures, results, status
 from deferred.broker import BrokerError
 from deferred.conf import get_settings
-from deferred.metrics import MetricsError
+from deferred.operate import status
+from deferred.records import cancels, failures, results
+from deferred.worker.metrics import MetricsError
 
 #: The chart's drawing area, in SVG user units.
 CHART_WIDTH, CHART_HEIGHT, CHART_BAR = 640, 220, 64
@@ -266,7 +267,7 @@ def metrics(request: HttpRequest) -> HttpResponse:
         response["WWW-Authenticate"] = 'Bearer realm="deferred metrics"'
         return response
     try:
-        from deferred import exposition
+        from deferred.operate import exposition
 
         try:
             snapshot: status.Snapshot | None = status.collect(settings, read_failed=False).snapshot

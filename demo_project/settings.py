@@ -11,7 +11,7 @@ from pathlib import Path
 
 import environ
 
-from deferred.schedule import every
+from deferred.core.schedule import every
 
 #: The repository root, where ``manage.py`` lives.
 BASE_DIR = Path(__file__).resolve().parent.parent

@@ -3,8 +3,8 @@
     pip install atheris
     python scripts/fuzz-intake.py -max_total_time=300 [corpus_dir]
 
-Feeds bytes to ``deferred.intake.read`` (size, signature, job format) and to
-``deferred.failures.parse_failed``, half of them with a valid signature so that
+Feeds bytes to ``deferred.core.intake.read`` (size, signature, job format) and to
+``deferred.records.failures.parse_failed``, half of them with a valid signature so that
 the decoder behind the signature check is reached too. Any exception is a
 finding: both must map every input to a job or a reason. Not part of the test
 suite (the property-based tests in tests/test_intake.py are); atheris is not a
@@ -25,9 +25,10 @@ import django
 django.setup()
 import json  # noqa: E402
 
-from deferred import failures, intake, signing  # noqa: E402
 from deferred.conf import get_settings  # noqa: E402
-from deferred.jobs import Job, new_job_id, utcnow  # noqa: E402
+from deferred.core import intake, signing  # noqa: E402
+from deferred.core.jobs import Job, new_job_id, utcnow  # noqa: E402
+from deferred.records import failures  # noqa: E402
 
 # deferred is often installed in editable mode, whose loader instrument_imports()
 # does not see: instrument everything loaded (the stdlib's json included).

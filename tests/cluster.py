@@ -23,9 +23,9 @@ from django.core.management import call_command
 from django.test import override_settings
 
 from deferred.broker import admin_channel
+from deferred.broker.http_api import ManagementAPI
 from deferred.conf import get_settings
-from deferred.http_api import ManagementAPI
-from deferred.topology import Plan, plan_topology
+from deferred.core.topology import Plan, plan_topology
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "local-cluster.sh"

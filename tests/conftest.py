@@ -26,7 +26,7 @@ from django.test import override_settings
 
 from deferred.broker import BrokerError, BrokerUnavailable, admin_channel, connect
 from deferred.conf import get_settings
-from deferred.topology import Plan, plan_topology, recorded_plan
+from deferred.core.topology import Plan, plan_topology, recorded_plan
 from deferred.worker import Worker
 from tests.cluster import Cluster, cluster_session
 
@@ -279,15 +279,15 @@ def rabbitmqctl(*args: str) -> str:
 
 def signed(body: bytes) -> dict:
     """The headers deferred would sign ``body`` with (for messages a test makes by hand)."""
-    from deferred import signing
     from deferred.conf import get_settings
+    from deferred.core import signing
 
     return signing.sign(body, get_settings().signing_keys)
 
 
 def record_job(path: str, label: str, **changes):
     """A job of ``tests.testapp.tasks.record``, due now, built by hand (not deferred)."""
-    from deferred.jobs import Job, new_job_id, utcnow
+    from deferred.core.jobs import Job, new_job_id, utcnow
 
     now = utcnow()
     fields = {

@@ -115,7 +115,7 @@ if os.environ.get("DEFERRED_TEST_REPAIR_STUCK"):
     DEFERRED["REPAIR_STUCK"] = os.environ["DEFERRED_TEST_REPAIR_STUCK"] == "true"
 # Worker subprocesses of the recurring-job tests schedule tests.tick.
 if os.environ.get("DEFERRED_TEST_EVERY"):
-    from deferred.schedule import every
+    from deferred.core.schedule import every
 
     DEFERRED["SCHEDULES"] = {
         "tests.tick": every(

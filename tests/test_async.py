@@ -14,9 +14,9 @@ from django.db import transaction
 from django.test import override_settings
 
 from deferred import BrokerUnavailable, adefer, adefer_many, defer, defer_many, testing
-from deferred.backends import _api
 from deferred.conf import get_settings
-from deferred.failures import list_failed
+from deferred.producer.framework import api as _api
+from deferred.records.failures import list_failed
 from tests.conftest import total_waiting, wait_for
 from tests.testapp.framework_tasks import double, note, note_async
 from tests.testapp.tasks import explode_async, read_records, record, record_async

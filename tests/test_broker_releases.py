@@ -23,9 +23,9 @@ from django.test import override_settings
 
 from deferred import defer
 from deferred.broker import admin_channel
-from deferred.cluster import management_api
+from deferred.cluster.nodes import management_api
 from deferred.conf import get_settings
-from deferred.topology import NO_DELIVERY_LIMIT, Plan, plan_topology
+from deferred.core.topology import NO_DELIVERY_LIMIT, Plan, plan_topology
 from tests.conftest import rabbitmqctl, remove_topologies, wait_for
 from tests.testapp.tasks import read_records, record, sleepy
 

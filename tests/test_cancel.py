@@ -16,9 +16,9 @@ from django.test import override_settings
 
 import deferred
 from deferred import BrokerError, cancel, cancel_many, defer, defer_many
-from deferred.cancels import read_cancels
 from deferred.conf import get_settings
-from deferred.jobs import due_of, new_job_id, utcnow
+from deferred.core.jobs import due_of, new_job_id, utcnow
+from deferred.records.cancels import read_cancels
 from deferred.testing import capture
 from tests.conftest import depth, rabbitmqctl, wait_for
 from tests.testapp.tasks import patient_flaky, read_records, record, slow_fail
@@ -323,7 +323,7 @@ def test_a_stream_deleted_under_a_running_worker_is_declared_again(
 def test_while_the_cancels_cannot_be_read_due_jobs_wait_and_are_never_counted_as_failed(
     own_topology, run_worker, records, raw_channel, monkeypatch, caplog
 ):
-    from deferred import pipeline as pipeline_module
+    from deferred.worker import pipeline as pipeline_module
 
     monkeypatch.setattr(pipeline_module, "CANCELS_TIMEOUT_S", 0.5)
     monkeypatch.setattr(pipeline_module, "CANCELS_RETRY_S", 0.5)
@@ -354,8 +354,8 @@ def test_while_the_cancels_cannot_be_read_due_jobs_wait_and_are_never_counted_as
 def test_a_job_whose_connection_goes_while_it_waits_for_the_cancels_runs_once(
     clean, run_worker, records, monkeypatch, caplog, then
 ):
-    from deferred import pipeline as pipeline_module
     from deferred.broker import BrokerUnavailable
+    from deferred.worker import pipeline as pipeline_module
 
     monkeypatch.setattr(pipeline_module, "CANCELS_RETRY_S", 0.5)
     worker = run_worker(concurrency=2)

@@ -9,7 +9,10 @@ import pytest
 from django.core.exceptions import ImproperlyConfigured
 
 from deferred import cancel, defer
-from deferred.cancels import (
+from deferred.conf import _build
+from deferred.core.jobs import due_of, id_with_due, new_job_id
+from deferred.core.topology import build_plan
+from deferred.records.cancels import (
     CancelView,
     decode,
     encode,
@@ -17,10 +20,7 @@ from deferred.cancels import (
     expires,
     marker_of,
 )
-from deferred.conf import _build
-from deferred.jobs import due_of, id_with_due, new_job_id
 from deferred.testing import capture, eager
-from deferred.topology import build_plan
 from tests.testapp.tasks import chain, record
 
 DAY = 86400.0

@@ -6,7 +6,7 @@ nodes under load. The figures are printed; the bounds asserted are the
 contract: nothing lost, nothing early, few duplicates, a prompt failover.
 
 RabbitMQ strands some at-least-once dead-letters after a leader change (see
-``deferred.stuck``): where jobs are missing once they are due, the tests wait
+``deferred.cluster.stuck``): where jobs are missing once they are due, the tests wait
 for the stuck rule (STUCK_AFTER, 10 s here) and run ``deferred_repair``, as an
 operator would, and report how many it released.
 """
@@ -32,9 +32,9 @@ from django.test import override_settings
 
 from deferred import broker, defer, defer_many
 from deferred.broker import BrokerUnavailable
+from deferred.cluster.repair import cli_dead_lettered
 from deferred.conf import get_settings
-from deferred.repair import cli_dead_lettered
-from deferred.topology import plan_topology
+from deferred.core.topology import plan_topology
 from deferred.worker import Worker
 from tests.cluster import NODES, URLS, cluster_settings, node_number, quorum_topology, worker_env
 from tests.conftest import wait_for

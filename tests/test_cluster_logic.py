@@ -8,11 +8,11 @@ import pytest
 from django.core.exceptions import ImproperlyConfigured
 
 from deferred.broker import Failover, as_urls
+from deferred.broker.http_api import QueueInfo
+from deferred.cluster.repair import commands, refusal, replicas_of
+from deferred.cluster.stuck import Episodes, StuckQueue, find_stuck, stuck_queue
 from deferred.conf import _build
-from deferred.http_api import QueueInfo
-from deferred.repair import commands, refusal, replicas_of
-from deferred.stuck import Episodes, StuckQueue, find_stuck, stuck_queue
-from deferred.topology import build_plan
+from deferred.core.topology import build_plan
 
 A, B, C = (f"amqp://u:p@127.0.0.1:{port}/%2F" for port in (5681, 5682, 5683))
 
@@ -225,7 +225,7 @@ def test_queue_info_derives_the_dead_lettered_history_from_the_sampled_figures()
 
 
 def test_leaders_per_node_busiest_first() -> None:
-    from deferred.cluster import leaders_per_node
+    from deferred.cluster.nodes import leaders_per_node
 
     def q(name: str, leader: str | None) -> QueueInfo:
         return QueueInfo(name, "quorum", 0, 0, 0, 0, leader, (), ())
@@ -235,8 +235,8 @@ def test_leaders_per_node_busiest_first() -> None:
 
 
 def test_the_status_text_shows_nodes_leaders_and_stuck_queues() -> None:
-    from deferred.cluster import ClusterView, NodeState
-    from deferred.status import render_cluster
+    from deferred.cluster.nodes import ClusterView, NodeState
+    from deferred.operate.status import render_cluster
 
     stuck = StuckQueue("p.delay.q", 14, 30, "rabbit-a@h", ("rabbit-a@h",), ("rabbit-a@h",))
     view = ClusterView(

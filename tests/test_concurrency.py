@@ -16,7 +16,7 @@ import pytest
 from django.conf import settings
 from django.test import override_settings
 
-from deferred.topology import Plan
+from deferred.core.topology import Plan
 from tests.conftest import depth, topology_of_its_own, wait_for
 from tests.testapp.tasks import read_records, record, sleepy
 

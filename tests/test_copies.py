@@ -18,8 +18,8 @@ import pytest
 from deferred import defer
 from deferred.broker import COPY_HEADER, admin_channel
 from deferred.conf import get_settings
-from deferred.pipeline import DELIVERIES_HEADER
-from deferred.publishing import encode
+from deferred.producer.publishing import encode
+from deferred.worker.pipeline import DELIVERIES_HEADER
 from tests.conftest import rabbitmqctl, record_job, signed, wait_for
 from tests.testapp.tasks import cut_off, read_records, sleepy, timed
 

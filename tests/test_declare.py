@@ -16,7 +16,7 @@ from django.test import override_settings
 from deferred import defer
 from deferred.broker import admin_channel
 from deferred.conf import get_settings
-from deferred.topology import Plan, plan_topology
+from deferred.core.topology import Plan, plan_topology
 from tests.conftest import _every_plan, rabbitmqctl, wait_for
 from tests.testapp.tasks import read_records, record
 
@@ -224,7 +224,7 @@ def test_a_binding_the_broker_refuses_is_a_clear_error_and_the_others_stand(brok
     # Bindings are pipelined (nowait): a refused one must still surface, named,
     # and the one sent before it must have been made.
     from deferred.broker import BrokerError
-    from deferred.topology import Binding
+    from deferred.core.topology import Binding
 
     def bound(b: Binding) -> bool:
         listed = rabbitmqctl(

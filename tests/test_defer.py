@@ -15,7 +15,7 @@ from django.utils import timezone
 
 from deferred import defer, defer_many
 from deferred.broker import BrokerUnavailable, TopologyNotDeclared, admin_channel
-from deferred.jobs import Job
+from deferred.core.jobs import Job
 from tests.conftest import depth, rabbitmqctl, total_waiting, wait_for
 from tests.testapp.tasks import explode, on_other, read_records, record, timed
 
@@ -187,7 +187,7 @@ def test_unroutable_message_raises_instead_of_vanishing(broker_url):
         from django.core.management import call_command
 
         from deferred.conf import get_settings
-        from deferred.topology import plan_topology
+        from deferred.core.topology import plan_topology
 
         call_command("declare_delay_topology", verbosity=0)
         plan = plan_topology(get_settings())
@@ -203,8 +203,8 @@ def test_unroutable_message_raises_instead_of_vanishing(broker_url):
 
 def test_a_job_for_a_deleted_ready_queue_is_kept_by_the_ledger(broker_url):
     """With the ledger (the default), the job is not refused: the ledger has it, as
-    published, and the worker says the topology is missing (deferred.notices)."""
-    from deferred.pending import find
+    published, and the worker says the topology is missing (deferred.core.notices)."""
+    from deferred.records.pending import find
 
     prefix = "deferred-unroutable-ledger"
     with override_settings(
@@ -213,7 +213,7 @@ def test_a_job_for_a_deleted_ready_queue_is_kept_by_the_ledger(broker_url):
         from django.core.management import call_command
 
         from deferred.conf import get_settings
-        from deferred.topology import plan_topology
+        from deferred.core.topology import plan_topology
 
         call_command("declare_delay_topology", verbosity=0)
         plan = plan_topology(get_settings())

@@ -5,7 +5,7 @@ from decimal import Decimal
 
 import pytest
 
-from deferred.delays import InvalidDelay, delay_ms
+from deferred.core.delays import InvalidDelay, delay_ms
 
 NOW = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
 

@@ -19,9 +19,9 @@ from selenium.webdriver.support import expected_conditions
 from selenium.webdriver.support.select import Select
 from selenium.webdriver.support.ui import WebDriverWait
 
-from deferred import failures
 from deferred.conf import get_settings
-from deferred.topology import Plan
+from deferred.core.topology import Plan
+from deferred.records import failures
 from demo_project.reminders.models import Reminder
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]

@@ -15,12 +15,14 @@ from django.db import transaction
 from django.test import override_settings
 
 from deferred import testing
-from deferred.backends import InvalidTask, InvalidTaskBackend, RabbitMQBackend, _api, _signals
+from deferred.backends import InvalidTask, InvalidTaskBackend, RabbitMQBackend
 from deferred.conf import get_settings
-from deferred.failures import list_failed
-from deferred.jobs import Job, new_job_id
-from deferred.publishing import publish
-from deferred.topology import plan_topology
+from deferred.core.jobs import Job, new_job_id
+from deferred.core.topology import plan_topology
+from deferred.producer.framework import api as _api
+from deferred.producer.framework import signals as _signals
+from deferred.producer.publishing import publish
+from deferred.records.failures import list_failed
 from tests.conftest import depth, total_waiting, wait_for
 from tests.testapp.framework_tasks import double, email_users, flaky, note, note_async
 
@@ -401,7 +403,7 @@ def test_a_task_enqueued_receiver_that_raises_loses_no_job(clean, raw_channel, t
 def test_a_task_that_names_no_queue_goes_to_deferreds_default_queue():
     # DEFERRED without a queue named "default": @task's default queue_name
     # means DEFERRED's default queue (the first), as for defer().
-    from deferred.backends import resolve_django_task
+    from deferred.worker.django_tasks import resolve_django_task
 
     tasks_setting = {"default": {"BACKEND": "deferred.backends.RabbitMQBackend"}}
     explicit = {"default": {"BACKEND": "deferred.backends.RabbitMQBackend", "QUEUES": ["default"]}}
@@ -456,7 +458,7 @@ def test_a_job_naming_a_backend_alias_that_is_not_ours_imports_nothing(clean, ru
 def test_a_django_tasks_release_older_than_0_12_is_refused_by_name():
     from django.core.exceptions import ImproperlyConfigured
 
-    from deferred.backends import _check_backport_release
+    from deferred.producer.framework import check_backport_release as _check_backport_release
 
     for old in ("0.11.0", "0.9", "0.10.2"):  # SUCCEEDED, not Django 6's SUCCESSFUL
         with pytest.raises(ImproperlyConfigured, match=rf"0\.12 or newer; {re.escape(old)} is"):
@@ -490,7 +492,7 @@ def test_the_backend_options_time_limit_stops_sync_and_async_tasks(clean, run_wo
     entries = list_failed(get_settings())
     assert {e.id for e in entries} == ids
     assert {e.reason for e in entries} == {"timed_out"}
-    assert finished == [("FAILED", ["deferred.limits.TimeLimitExceeded"])] * 2
+    assert finished == [("FAILED", ["deferred.TimeLimitExceeded"])] * 2
 
 
 def test_a_bad_time_limit_option_is_a_configuration_error():
@@ -500,7 +502,7 @@ def test_a_bad_time_limit_option_is_a_configuration_error():
 
 
 def test_a_priority_travels_with_the_job(clean, raw_channel):
-    from deferred.jobs import Job
+    from deferred.core.jobs import Job
 
     result = email_users.using(priority=60).enqueue(["a@example.com"], "s", "m")
     queue = plan_topology(get_settings()).ready_queues["default"].name
@@ -531,7 +533,7 @@ def test_refresh_follows_a_task_from_ready_to_successful(clean, run_worker):
     assert result.last_attempted_at == result.started_at
     assert result.errors == []
     # Another process has none of this memory: get_result() reads the stream alone.
-    from deferred import backends
+    from deferred.producer import backend as backends
 
     backends._enqueued.clear()
     fresh = _api.task_backends["default"].get_result(result.id)
@@ -634,7 +636,7 @@ def test_result_task_read_in_another_process_is_the_task_that_was_enqueued(clean
     assert wait_for(lambda: _succeeded(result), 15), result.status
 
     # When another process (none of this one's memory) reads it
-    from deferred import backends
+    from deferred.producer import backend as backends
 
     backends._enqueued.clear()
     fresh = _api.task_backends["default"].get_result(result.id)

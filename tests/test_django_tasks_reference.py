@@ -33,13 +33,15 @@ from django.test import override_settings
 from django.urls import path, reverse
 from django.utils import timezone
 
-from deferred import backends as deferred_backends
-from deferred.backends import InvalidTask, InvalidTaskBackend, RabbitMQBackend, _api, _exceptions
-from deferred.backends import _signals as signals
+from deferred.backends import InvalidTask, InvalidTaskBackend, RabbitMQBackend
 from deferred.conf import get_settings
-from deferred.failures import list_failed
-from deferred.jobs import Job, new_job_id
-from deferred.publishing import publish
+from deferred.core.jobs import Job, new_job_id
+from deferred.producer import backend as deferred_backends
+from deferred.producer.framework import api as _api
+from deferred.producer.framework import exceptions as _exceptions
+from deferred.producer.framework import signals
+from deferred.producer.publishing import publish
+from deferred.records.failures import list_failed
 from tests.conftest import depth, run_python, total_waiting, wait_for
 from tests.testapp.framework_tasks import (
     attempt_is,
@@ -456,7 +458,7 @@ import asyncio, json, sys
 import django
 
 django.setup()
-from deferred.backends import _api
+from deferred.producer.framework import api as _api
 
 backend = _api.task_backends["default"]
 

@@ -20,7 +20,8 @@ import pytest
 from django.core.exceptions import ImproperlyConfigured
 from django.test import override_settings
 
-from deferred import conf, tasks
+from deferred import conf
+from deferred.producer import tasks
 from tests.conftest import total_waiting
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -18,8 +18,8 @@ from django.core.management import CommandError, call_command
 from django.test import override_settings
 from hcl2.utils import SerializationOptions
 
-from deferred.export import _identifiers, definitions, terraform
-from deferred.topology import Plan, build_plan
+from deferred.core.topology import Plan, build_plan
+from deferred.operate.export import _identifiers, definitions, terraform
 
 PLANS = {
     "classic-r16": build_plan(

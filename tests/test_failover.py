@@ -30,11 +30,11 @@ from deferred import defer
 from deferred.broker import publisher
 from deferred.broker.connection import failover, open_connection, setting_up
 from deferred.broker.errors import BrokerUnavailable, TopologyNotDeclared
+from deferred.broker.http_api import ManagementAPI
+from deferred.cluster.repair import repair
+from deferred.cluster.stuck import StuckQueue
+from deferred.cluster.watch import StuckWatch
 from deferred.conf import get_settings
-from deferred.http_api import ManagementAPI
-from deferred.repair import repair
-from deferred.stuck import StuckQueue
-from deferred.watch import StuckWatch
 from tests.conftest import wait_for
 from tests.silent import SilentRelay
 from tests.testapp.tasks import read_records, record

@@ -31,10 +31,10 @@ from deferred import cancel, defer
 from deferred.broker import admin_channel
 from deferred.broker.consumer import hold_prefetch
 from deferred.conf import _build, get_settings
-from deferred.holding import HANDED_BACK, Held, Holder
-from deferred.status import build_snapshot, render_text
-from deferred.topology import Plan, build_plan, hold_levels_for, plan_topology, recorded_plan
+from deferred.core.topology import Plan, build_plan, hold_levels_for, plan_topology, recorded_plan
+from deferred.operate.status import build_snapshot, render_text
 from deferred.worker import Worker
+from deferred.worker.holding import HANDED_BACK, Held, Holder
 from tests.conftest import _every_plan, depth, wait_for
 from tests.testapp.tasks import read_records, sleepy, timed
 
@@ -506,7 +506,7 @@ def test_a_held_job_whose_worker_is_busy_goes_to_a_free_worker(
 
 
 def test_the_status_shows_held_jobs(broker_url):
-    from deferred.status import collect
+    from deferred.operate.status import collect
 
     with held_topology(broker_url) as (_plan, _env), running(concurrency=1) as worker:
         defer(timed, 3.0, "/dev/null", "held")

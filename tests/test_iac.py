@@ -21,10 +21,11 @@ import pytest
 from django.core.management import CommandError, call_command
 from django.test import override_settings
 
-from deferred import defer, defer_many, publishing
+from deferred import defer, defer_many
 from deferred.broker import TopologyNotDeclared, admin_channel
 from deferred.conf import get_settings
-from deferred.topology import Plan, plan_topology
+from deferred.core.topology import Plan, plan_topology
+from deferred.producer import publishing
 from deferred.worker import Worker
 from tests.conftest import rabbitmqctl, wait_for
 from tests.testapp.tasks import read_records, record

@@ -9,9 +9,10 @@ from django.test import override_settings
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from deferred import failures, intake, signing
 from deferred.conf import get_settings
-from deferred.jobs import INVALID, UNDECODABLE, Job, utcnow
+from deferred.core import intake, signing
+from deferred.core.jobs import INVALID, UNDECODABLE, Job, utcnow
+from deferred.records import failures
 from tests.conftest import record_job
 
 REASONS = {intake.TOO_LARGE, intake.BAD_SIGNATURE, UNDECODABLE, INVALID}

@@ -6,7 +6,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from deferred.jobs import FORMAT_VERSION, BrokenMessage, Job
+from deferred.core.jobs import FORMAT_VERSION, BrokenMessage, Job
 
 DUE = datetime(2026, 1, 1, tzinfo=UTC)
 
@@ -86,7 +86,7 @@ def test_django_tasks_fields_round_trip_and_stay_out_of_plain_jobs():
     ],
 )
 def test_failed_at_time_reads_the_record_or_gives_none(failed_at, expected) -> None:
-    from deferred.failures import FailedJob
+    from deferred.records.failures import FailedJob
 
     entry = FailedJob("id", "t", "task_error", 1, None, None, None, failed_at, None)
     assert entry.failed_at_time == expected

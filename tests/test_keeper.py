@@ -14,11 +14,12 @@ from collections import Counter
 
 import pytest
 
-from deferred import defer, signing
+from deferred import defer
 from deferred.broker import admin_channel
 from deferred.conf import get_settings
-from deferred.keeper import Keeper, entry_of
-from deferred.pending import find
+from deferred.core import signing
+from deferred.records.pending import find
+from deferred.worker.keeper import Keeper, entry_of
 from tests.conftest import rabbitmqctl, wait_for
 from tests.testapp.tasks import read_records, record
 
@@ -52,7 +53,7 @@ def test_every_job_that_enters_a_delay_queue_is_in_the_ledger_as_it_was_publishe
     entries = {e.job_id: e for e in ledger_entries(clean)}
     for job_id in ids:
         assert job_id in entries
-    # Due at once: in the ledger too (deferred.pending reads it while it waits for a
+    # Due at once: in the ledger too (deferred.records.pending reads it while it waits for a
     # worker), but it makes no hop: the keeper skips it, nothing about it is repaired.
     assert soon not in entries
     assert find(get_settings(), soon).job is not None
@@ -107,9 +108,9 @@ def test_a_repair_publishes_again_the_jobs_lost_in_its_window_and_each_runs_once
 def test_a_job_due_later_is_published_again_at_once_and_runs_once(
     own_topology, records, run_worker, monkeypatch
 ):
-    import deferred.keeper
+    import deferred.worker.keeper
 
-    monkeypatch.setattr(deferred.keeper, "NEAR_MS", 0)
+    monkeypatch.setattr(deferred.worker.keeper, "NEAR_MS", 0)
     run_worker(concurrency=4)
     before = time.time() * 1000
     lost = defer(record, 2, records, "lost")
@@ -156,7 +157,7 @@ def test_a_broker_restart_is_repaired_by_the_keeper(own_topology, records, run_w
 
 
 def test_the_checks_wait_while_a_ready_queue_holds_a_backlog(clean, records):
-    from deferred.keeper import BACKLOG_LIMIT, Repair
+    from deferred.worker.keeper import BACKLOG_LIMIT, Repair
 
     keeper = Keeper(get_settings())
     keeper.link.connect()

@@ -12,12 +12,13 @@ from io import StringIO
 import pytest
 from django.core.management import call_command
 
-from deferred import adefer, defer, defer_many, signing
+from deferred import adefer, defer, defer_many
 from deferred.broker import publisher
 from deferred.conf import get_settings
-from deferred.jobs import due_of
-from deferred.publishing import prepare
-from deferred.topology import CANCEL_ROUTING_KEY, plan_topology
+from deferred.core import signing
+from deferred.core.jobs import due_of
+from deferred.core.topology import CANCEL_ROUTING_KEY, plan_topology
+from deferred.producer.publishing import prepare
 from tests.conftest import wait_for
 from tests.testapp.tasks import patient_flaky, read_records, record
 

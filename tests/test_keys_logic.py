@@ -8,13 +8,13 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from deferred import defer, defer_many
-from deferred.cancels import CancelView, decode_record, encode
 from deferred.conf import get_settings
-from deferred.jobs import Job, new_job_id
-from deferred.keys import MAX_KEY_LENGTH, KeyView, validate_key
-from deferred.publishing import prepare
+from deferred.core.jobs import Job, new_job_id
+from deferred.core.keys import MAX_KEY_LENGTH, KeyView, validate_key
+from deferred.core.topology import CANCEL_ROUTING_KEY
+from deferred.producer.publishing import prepare
+from deferred.records.cancels import CancelView, decode_record, encode
 from deferred.testing import capture
-from deferred.topology import CANCEL_ROUTING_KEY
 from tests.testapp.tasks import record
 
 AT = datetime(2026, 11, 25, 12, 0, tzinfo=UTC)
@@ -145,7 +145,7 @@ def test_capture_keeps_only_the_latest_job_of_each_key():
 
 
 def test_a_transfer_copies_the_keyed_jobs_that_can_still_come_due():
-    from deferred.transfer_plan import in_force
+    from deferred.operate.transfer_plan import in_force
 
     settings = get_settings()
     keyed = prepare(record.using(key="k"), 5, ("/tmp/x", "y"), {}, settings, AT)

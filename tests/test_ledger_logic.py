@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from deferred import ledger
-from deferred.ledger import Entry, Shape, at_risk, hop_times, latest, shape_of, to_carry
-from deferred.topology import build_plan
+from deferred.core import ledger
+from deferred.core.ledger import Entry, Shape, at_risk, hop_times, latest, shape_of, to_carry
+from deferred.core.topology import build_plan
 
 DAY_MS = 24 * 3600 * 1000
 
@@ -190,7 +190,7 @@ def test_a_job_is_lost_once_the_jobs_due_after_it_have_started():
 
 
 def test_a_job_due_at_once_makes_no_hop():
-    from deferred.ledger import Shape, makes_no_hop
+    from deferred.core.ledger import Shape, makes_no_hop
 
     held = Shape(radix=16, resolution_ms=1, levels=4, hold_levels=2)
     assert makes_no_hop(held, "0.0.0.default")  # to the ready queue

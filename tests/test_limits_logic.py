@@ -12,10 +12,10 @@ from django.test import override_settings
 
 from deferred import TimeLimitExceeded, task
 from deferred.conf import get_settings
-from deferred.limits import Watchdog, parse_time_limit
-from deferred.pool import Pool
-from deferred.recycling import Recycling, resident_bytes
-from deferred.tasks import unregister
+from deferred.core.limits import Watchdog, parse_time_limit
+from deferred.producer.tasks import unregister
+from deferred.worker.pool import Pool
+from deferred.worker.recycling import Recycling, resident_bytes
 
 
 @pytest.mark.parametrize(

@@ -16,9 +16,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from deferred import defer, defer_many
 from deferred.conf import get_settings
-from deferred.failures import list_failed
-from deferred.jobs import Job, new_job_id
-from deferred.publishing import publish
+from deferred.core.jobs import Job, new_job_id
+from deferred.producer.publishing import publish
+from deferred.records.failures import list_failed
 from tests.conftest import wait_for
 from tests.testapp.tasks import explode, read_records, record
 

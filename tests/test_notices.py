@@ -1,4 +1,4 @@
-"""The notices a process says once in a while (deferred.notices), without a broker."""
+"""The notices a process says once in a while (deferred.core.notices), without a broker."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import logging
 
 import pytest
 
-from deferred import notices
 from deferred.broker import TopologyNotDeclared
+from deferred.core import notices
 
 
 @pytest.fixture(autouse=True)

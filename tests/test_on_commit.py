@@ -10,7 +10,7 @@ from django.db import transaction
 from django.test import override_settings
 
 from deferred import defer
-from deferred.jobs import Job
+from deferred.core.jobs import Job
 from tests.conftest import depth, total_waiting, wait_for
 from tests.testapp.tasks import record
 

@@ -2,7 +2,7 @@
 
 import logging
 
-from deferred.outcomes import JOB_LINE, Observer, Observers, Outcome
+from deferred.core.outcomes import JOB_LINE, Observer, Observers, Outcome
 
 
 class Recording(Observer):

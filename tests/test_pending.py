@@ -1,4 +1,4 @@
-"""A task that has not started, read back from the ledger in any process (deferred.pending):
+"""A task that has not started, read back from the ledger in any process (deferred.records.pending):
 django.tasks' ``get_result()`` answers READY with the task as it was enqueued, from a
 process that did not enqueue it, whether the task is due in an hour or at once with no
 worker running; against the real broker."""
@@ -15,10 +15,11 @@ from django.db import transaction
 from django.test import override_settings
 
 from deferred import defer
-from deferred.backends import _api, _exceptions
 from deferred.conf import get_settings
-from deferred.jobs import made_ms_of, new_job_id
-from deferred.pending import find
+from deferred.core.jobs import made_ms_of, new_job_id
+from deferred.producer.framework import api as _api
+from deferred.producer.framework import exceptions as _exceptions
+from deferred.records.pending import find
 from tests.conftest import run_python, wait_for
 from tests.testapp.framework_tasks import double
 from tests.testapp.tasks import record
@@ -150,7 +151,7 @@ def test_without_a_ledger_a_task_enqueued_elsewhere_is_missing(clean):
     that did not enqueue it (this one, with its memory of what it enqueued cleared)."""
     from django.conf import settings
 
-    from deferred import backends
+    from deferred.producer import backend as backends
 
     enqueued = double.using(run_after=datetime.now(UTC) + timedelta(hours=1)).enqueue(1)
     backends._enqueued.clear()
@@ -199,7 +200,7 @@ def test_an_id_says_when_its_job_was_made(wait):
 
 
 def test_a_version_7_id_does_not_say():
-    from deferred.jobs import id_with_due
+    from deferred.core.jobs import id_with_due
 
     assert made_ms_of(id_with_due(datetime.now(UTC), b"seed")) is None
     assert made_ms_of("0" * 12 + "7" + "0" * 3 + "8" + "0" * 15) is None
@@ -213,7 +214,7 @@ def test_no_ready_from_the_ledger_without_results_or_past_their_retention(clean,
     the task may have run, and must not read READY again."""
     from django.conf import settings
 
-    from deferred import backends
+    from deferred.producer import backend as backends
 
     enqueued = double.enqueue(2)
     backends._enqueued.clear()

@@ -18,9 +18,10 @@ from django.core.management import call_command
 from django.test import override_settings
 
 import deferred
-from deferred import cancel, defer, permissions
+from deferred import cancel, defer
 from deferred.conf import get_settings
-from deferred.topology import Plan
+from deferred.core.topology import Plan
+from deferred.operate import permissions
 from tests.conftest import depth, rabbitmqctl, wait_for
 from tests.testapp.framework_tasks import double
 from tests.testapp.tasks import flaky, read_records, record
@@ -115,11 +116,11 @@ def test_the_publisher_can_defer_and_cancel_and_nothing_else(users, own_topology
         assert deferred.result(defer(record, 0, "/tmp/never", "now")).state == "pending"
         # And a django.tasks task not started yet, enqueued elsewhere: from the ledger,
         # its marker through the ingest exchange too.
-        from deferred import backends
+        from deferred.producer import backend as backends
 
         enqueued = double.enqueue(3)
         backends._enqueued.clear()
-        backend = backends._api.task_backends["default"]
+        backend = backends.api.task_backends["default"]
         assert backend.get_result(enqueued.id).status.name == "READY"
     assert wait_for(
         lambda: sum(depth(raw_channel, q.name) for q in own_topology.delay_queues) == 1, 5

@@ -16,8 +16,8 @@ from django.test import override_settings
 from deferred import defer, defer_many
 from deferred.broker import admin_channel
 from deferred.conf import get_settings
-from deferred.jobs import utcnow
-from deferred.topology import plan_topology
+from deferred.core.jobs import utcnow
+from deferred.core.topology import plan_topology
 from tests.conftest import wait_for
 from tests.test_broker_releases import broker_version, quorum_topology
 from tests.test_holding import held_topology
@@ -164,7 +164,7 @@ def test_check_warns_of_a_priority_the_queues_cannot_honour(broker_url, settings
 
     from deferred import task
     from deferred.checks import _broker_version
-    from deferred.tasks import unregister
+    from deferred.producer.tasks import unregister
 
     @task(name="tests.prio.urgent", priority=50)
     def urgent() -> None: ...

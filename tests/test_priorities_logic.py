@@ -8,8 +8,8 @@ import pytest
 
 from deferred import task
 from deferred.conf import get_settings
-from deferred.jobs import BrokenMessage, Job, utcnow
-from deferred.priorities import (
+from deferred.core.jobs import BrokenMessage, Job, utcnow
+from deferred.core.priorities import (
     DEFAULT_LEVEL,
     MAX_LEVEL,
     broker_levels,
@@ -17,8 +17,8 @@ from deferred.priorities import (
     level,
     validate_priority,
 )
-from deferred.tasks import unregister
-from deferred.topology import plan_topology
+from deferred.core.topology import plan_topology
+from deferred.producer.tasks import unregister
 
 
 def test_levels_keep_the_order_and_put_the_default_at_the_quorum_boundary():

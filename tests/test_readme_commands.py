@@ -23,7 +23,7 @@ import pytest
 
 from deferred.broker import admin_channel
 from deferred.conf import _build
-from deferred.topology import plan_topology
+from deferred.core.topology import plan_topology
 from demo_project import settings as demo_settings
 from tests.conftest import ROOT, wait_for
 

@@ -16,8 +16,10 @@ from django.core.cache.backends.locmem import LocMemCache
 from django.core.exceptions import ImproperlyConfigured
 
 import deferred
-from deferred import cancel, defer, result_cache, results, signing
+from deferred import cancel, defer
 from deferred.conf import get_settings
+from deferred.core import signing
+from deferred.records import result_cache, results
 from tests.conftest import wait_for
 from tests.testapp.tasks import add, always_fails, flaky, record, sleepy
 

@@ -19,8 +19,8 @@ from django.test import Client, override_settings
 
 import deferred
 from deferred import defer, views
-from deferred.jobs import new_job_id, utcnow
-from deferred.topology import Plan
+from deferred.core.jobs import new_job_id, utcnow
+from deferred.core.topology import Plan
 from tests.conftest import wait_for
 from tests.testapp.tasks import add, always_fails, record
 

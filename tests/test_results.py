@@ -16,15 +16,16 @@ import pika
 import pytest
 
 import deferred
-from deferred import cancel, defer, signing
-from deferred.backends import _api
+from deferred import cancel, defer
 from deferred.broker import publisher
 from deferred.broker import results as broker_results
 from deferred.conf import get_settings
-from deferred.failures import list_failed, redrive
-from deferred.jobs import new_job_id, utcnow
-from deferred.results import RESULT_ROUTING_KEY, encode
-from deferred.topology import plan_topology
+from deferred.core import signing
+from deferred.core.jobs import new_job_id, utcnow
+from deferred.core.topology import plan_topology
+from deferred.producer.framework import api as _api
+from deferred.records.failures import list_failed, redrive
+from deferred.records.results import RESULT_ROUTING_KEY, encode
 from tests.conftest import wait_for
 from tests.testapp.tasks import (
     add,
@@ -70,7 +71,7 @@ def test_a_job_reads_pending_then_succeeded_with_its_value(run_worker):
 
 
 def plan_due(job_id: str):
-    from deferred.jobs import due_of
+    from deferred.core.jobs import due_of
 
     due = due_of(job_id)
     assert due is not None

@@ -11,10 +11,13 @@ import pytest
 from django.core.exceptions import ImproperlyConfigured
 from django.test import override_settings
 
-from deferred import permissions, signing
 from deferred.conf import get_settings
-from deferred.jobs import Job, new_job_id
-from deferred.results import (
+from deferred.core import signing
+from deferred.core.jobs import Job, new_job_id
+from deferred.core.topology import build_plan
+from deferred.operate import permissions
+from deferred.producer.tasks import task
+from deferred.records.results import (
     CLOCK_SLACK_S,
     Result,
     _id_ms,
@@ -28,8 +31,6 @@ from deferred.results import (
     marker_of,
     value_record,
 )
-from deferred.tasks import task
-from deferred.topology import build_plan
 
 KEYS = ("k1",)
 JOB = new_job_id(datetime(2026, 1, 1, tzinfo=UTC))
@@ -285,7 +286,7 @@ def test_task_result_option():
 
 
 def test_a_django_tasks_jobs_records_carry_its_call():
-    from deferred.results import _with_call
+    from deferred.records.results import _with_call
 
     job = Job(id=JOB, task="app.tasks.f", args=(1,), kwargs={}, due=datetime.now(UTC), queue="q")
     assert "b" not in _with_call({}, job)
@@ -397,7 +398,7 @@ def test_the_writer_gives_up_a_batch_the_broker_refuses_for_too_long_and_goes_on
 
 
 def test_an_id_due_before_the_stream_keeps_anything_reads_pending_without_a_read(monkeypatch):
-    from deferred import results
+    from deferred.records import results
 
     def no_read(*_args, **_kwargs):
         raise AssertionError("the stream was read")
@@ -412,7 +413,7 @@ def test_an_id_due_before_the_stream_keeps_anything_reads_pending_without_a_read
 def test_an_incomplete_result_says_so():
     from dataclasses import replace
 
-    from deferred.results import render_text
+    from deferred.records.results import render_text
 
     found = replace(fold(JOB, [rec("failed", 0)]), complete=False)
     assert found.as_dict()["complete"] is False
@@ -463,7 +464,7 @@ def test_a_writer_behind_the_jobs_makes_them_wait_for_room_then_gives_their_reco
 
 
 def test_only_a_first_attempts_lasting_end_is_cacheable():
-    from deferred.results import cacheable
+    from deferred.records.results import cacheable
 
     assert cacheable({"ev": "succeeded", "a": 1})
     assert cacheable({"ev": "cancelled"})  # dropped before it started
@@ -479,7 +480,7 @@ def test_the_cache_putter_puts_a_message_s_entries_once_it_is_confirmed(settings
 
     from deferred.broker.results import Written
     from deferred.conf import get_settings
-    from deferred.result_cache import CachePutter, cache_key
+    from deferred.records.result_cache import CachePutter, cache_key
     from tests.conftest import wait_for
 
     settings.CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}
@@ -515,9 +516,9 @@ def test_the_cache_putter_puts_a_message_s_entries_once_it_is_confirmed(settings
 def test_a_cache_that_hangs_holds_up_nothing_and_drops_what_has_no_room(settings, monkeypatch):
     from django.core.cache.backends.locmem import LocMemCache
 
-    from deferred import result_cache
     from deferred.broker.results import Written
     from deferred.conf import get_settings
+    from deferred.records import result_cache
 
     settings.CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}
     release = threading.Event()
@@ -539,8 +540,8 @@ def test_a_cache_that_hangs_holds_up_nothing_and_drops_what_has_no_room(settings
 
 
 def test_a_redelivered_attempt_is_not_cached_and_a_fresh_one_is(settings):
-    from deferred.jobs import utcnow
-    from deferred.results import Recorder
+    from deferred.core.jobs import utcnow
+    from deferred.records.results import Recorder
 
     settings.CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}
     settings.DEFERRED = {**settings.DEFERRED, "RESULT_CACHE": "default"}

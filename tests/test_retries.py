@@ -178,7 +178,7 @@ def test_a_job_that_kills_the_worker_every_time_ends_in_the_failed_queue(
 
     from deferred.broker import admin_channel
     from deferred.conf import get_settings
-    from deferred.topology import plan_topology
+    from deferred.core.topology import plan_topology
     from tests.conftest import WorkerProcess
     from tests.testapp.tasks import crash
 
@@ -237,7 +237,7 @@ def test_redrive_publishes_a_fresh_message_without_dead_letter_headers(clean, ra
     # before 4.0.1 may drop a re-published message that still has them.
     import pika
 
-    from deferred.jobs import Job, new_job_id, utcnow
+    from deferred.core.jobs import Job, new_job_id, utcnow
 
     job = Job(
         id=new_job_id(), task=record.name, args=("p", "x"), kwargs={}, due=utcnow(), queue="default"

@@ -3,7 +3,7 @@
 import pytest
 
 from deferred import Exponential, Retry
-from deferred.retries import RetryPolicy, Schedule, parse_backoff
+from deferred.core.retries import RetryPolicy, Schedule, parse_backoff
 
 
 def test_schedule_last_value_repeats():

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from deferred.jobs import utcnow
-from deferred.pipeline import attempt_ended, first_run_key, run_key
-from deferred.runs import Claim, End, RecentRuns
+from deferred.core.jobs import utcnow
+from deferred.records.runs import Claim, End, RecentRuns
+from deferred.worker.pipeline import attempt_ended, first_run_key, run_key
 from tests.conftest import record_job
 
 

@@ -9,8 +9,8 @@ from zoneinfo import ZoneInfo
 import pytest
 from django.test import override_settings
 
-from deferred.jobs import due_of
-from deferred.schedule import ScheduleError, cron, every, occurrence_id
+from deferred.core.jobs import due_of
+from deferred.core.schedule import ScheduleError, cron, every, occurrence_id
 
 NEW_YORK = ZoneInfo("America/New_York")
 PARIS = ZoneInfo("Europe/Paris")
@@ -151,7 +151,7 @@ def test_a_changed_schedule_has_another_key():
 
 def test_a_scheduled_task_takes_no_arguments_and_a_schedule_is_a_schedule():
     from deferred import task
-    from deferred.tasks import unregister
+    from deferred.producer.tasks import unregister
 
     with pytest.raises(TypeError, match="callable with no arguments"):
 

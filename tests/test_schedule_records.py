@@ -13,11 +13,11 @@ from django.conf import settings
 from django.core.management import call_command
 from django.test import override_settings
 
-from deferred import signing
 from deferred.conf import get_settings
-from deferred.jobs import utcnow
-from deferred.schedule import every
-from deferred.scheduler import Entry, Records, overview
+from deferred.core import signing
+from deferred.core.jobs import utcnow
+from deferred.core.schedule import every
+from deferred.worker.scheduler import Entry, Records, overview
 from tests.conftest import total_waiting, wait_for
 
 
@@ -99,7 +99,7 @@ def test_a_record_held_by_the_leaders_tick_is_read_once_it_is_back(paused_record
 def test_a_new_leader_whose_first_read_meets_a_reader_keeps_the_pause_and_plans_nothing(
     paused_record, own_topology, broker_url, raw_channel
 ):
-    from deferred.scheduler import Scheduler, read
+    from deferred.worker.scheduler import Scheduler, read
 
     # Given the record says "paused" and a worker just took the lease
     queue = paused_record

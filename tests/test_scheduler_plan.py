@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
-from deferred.schedule import every, occurrence_id
-from deferred.scheduler import Command, Entry, Records, plan, read
+from deferred.core.schedule import every, occurrence_id
+from deferred.worker.scheduler import Command, Entry, Records, plan, read
 
 T0 = datetime(2026, 1, 1, 12, 0, 0, 300000, tzinfo=UTC)
 SECOND = timedelta(seconds=1)

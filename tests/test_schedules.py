@@ -208,7 +208,7 @@ def test_deferred_schedules_lists_pauses_resumes_and_runs(own_topology, worker_p
     from django.core.management import call_command
     from django.test import override_settings
 
-    from deferred.schedule import every
+    from deferred.core.schedule import every
 
     ticks = tmp_path / "ticks.jsonl"
     env = worker_env(own_topology, ticks)
@@ -279,9 +279,9 @@ def test_a_removed_schedule_stops(own_topology, worker_process, tmp_path):
 def test_an_occurrence_whose_task_is_gone_is_dropped_not_failed(
     clean, run_worker, raw_channel, caplog
 ):
-    from deferred.jobs import Job, utcnow
-    from deferred.publishing import publish
-    from deferred.schedule import occurrence_id
+    from deferred.core.jobs import Job, utcnow
+    from deferred.core.schedule import occurrence_id
+    from deferred.producer.publishing import publish
 
     # Planned before a deploy removed its task (and so its schedule)
     at = utcnow()
@@ -308,8 +308,8 @@ def test_an_occurrence_whose_task_is_gone_is_dropped_not_failed(
 def test_a_forged_pause_command_is_ignored(own_topology, worker_process, tmp_path, raw_channel):
     import pika
 
-    from deferred.jobs import utcnow
-    from deferred.scheduler import Command
+    from deferred.core.jobs import utcnow
+    from deferred.worker.scheduler import Command
 
     ticks = tmp_path / "ticks.jsonl"
     worker = worker_process(env=worker_env(own_topology, ticks))

@@ -16,7 +16,7 @@ from django.core.management.base import CommandError
 from django.test import Client, override_settings
 
 from deferred import BrokerError, cancel, defer
-from deferred.topology import Plan
+from deferred.core.topology import Plan
 from tests.conftest import rabbitmqctl, wait_for
 from tests.testapp.tasks import explode, read_records, record
 

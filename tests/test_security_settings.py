@@ -10,8 +10,9 @@ from django.core.checks import run_checks
 from django.core.exceptions import ImproperlyConfigured
 from django.test import override_settings
 
-from deferred import broker, signing
+from deferred import broker
 from deferred.conf import get_settings
+from deferred.core import signing
 from deferred.testing import capture
 from tests.testapp.tasks import record
 
@@ -140,8 +141,8 @@ def test_deploy_checks_warn_about_guest_and_clear_text_off_this_host():
 def test_the_role_regexes_match_exactly_the_names_they_should(prefix):
     import re
 
-    from deferred import permissions
-    from deferred.topology import build_plan
+    from deferred.core.topology import build_plan
+    from deferred.operate import permissions
 
     plans = [
         build_plan(
@@ -183,7 +184,7 @@ def test_the_role_regexes_match_exactly_the_names_they_should(prefix):
 
 
 def test_a_record_signed_by_a_worker_is_trusted_and_one_written_by_hand_is_not():
-    from deferred import failures
+    from deferred.records import failures
     from tests.conftest import record_job
 
     job = record_job("/tmp/x", "y")

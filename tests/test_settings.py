@@ -8,9 +8,10 @@ from django.core.checks import run_checks
 from django.core.exceptions import ImproperlyConfigured
 from django.test import override_settings
 
-from deferred import conf, parsers
+from deferred import conf
 from deferred.backends import InvalidTaskBackend, RabbitMQBackend
 from deferred.conf import get_settings
+from deferred.core import parsers
 
 
 def settings_for(**values):

@@ -12,9 +12,11 @@ from django.conf import settings as django_settings
 from django.core.management import CommandError, call_command
 from django.test import override_settings
 
-from deferred import cancel, defer, failures, signing
+from deferred import cancel, defer
 from deferred.conf import get_settings
-from deferred.jobs import utcnow
+from deferred.core import signing
+from deferred.core.jobs import utcnow
+from deferred.records import failures
 from tests.conftest import depth, record_job, signed, wait_for
 from tests.testapp.tasks import read_records, record
 
@@ -172,7 +174,7 @@ def test_a_message_over_the_limit_goes_to_failed_unread(
 
 
 def test_an_unsigned_cancel_is_ignored(clean, raw_channel, run_worker, records, caplog):
-    from deferred.cancels import encode
+    from deferred.records.cancels import encode
 
     job_id = defer(record, 1.0, records, "kept")
     body = encode([job_id], utcnow())

@@ -20,11 +20,12 @@ from django.core.exceptions import ImproperlyConfigured
 from django.core.management import CommandError, call_command
 from django.test import override_settings
 
-from deferred import defer, status
+from deferred import defer
 from deferred.broker import QueueStats
+from deferred.broker.http_api import ManagementAPI
 from deferred.conf import _build, get_settings
-from deferred.http_api import ManagementAPI
-from deferred.topology import Plan, build_plan
+from deferred.core.topology import Plan, build_plan
+from deferred.operate import status
 from tests.conftest import ROOT, depth, wait_for
 from tests.testapp.tasks import explode, record
 

@@ -19,9 +19,10 @@ from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.support import expected_conditions
 from selenium.webdriver.support.ui import WebDriverWait
 
-from deferred import defer, failures
+from deferred import defer
 from deferred.conf import get_settings
-from deferred.topology import Plan
+from deferred.core.topology import Plan
+from deferred.records import failures
 from tests.conftest import ROOT, wait_for
 from tests.testapp.tasks import explode, read_records, record, send_invoice
 

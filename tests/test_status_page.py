@@ -9,9 +9,10 @@ import pytest
 from django.conf import settings
 from django.test import Client, override_settings
 
-from deferred import defer, failures
+from deferred import defer
 from deferred.conf import get_settings
-from deferred.topology import Plan
+from deferred.core.topology import Plan
+from deferred.records import failures
 from tests.conftest import wait_for
 from tests.testapp.tasks import explode, record
 
@@ -176,7 +177,7 @@ def test_the_page_shows_the_recurring_jobs(client: Client, staff, topology) -> N
     from django.conf import settings
     from django.test import override_settings
 
-    from deferred.schedule import every
+    from deferred.core.schedule import every
 
     client.force_login(staff)
     scheduled = {**settings.DEFERRED, "SCHEDULES": {"tests.tick": every(minutes=5)}}

@@ -3,7 +3,7 @@
 import pytest
 
 from deferred import Task, task
-from deferred.tasks import DuplicateTask, UnknownTask, get_task, unregister
+from deferred.producer.tasks import DuplicateTask, UnknownTask, get_task, unregister
 
 
 @pytest.fixture

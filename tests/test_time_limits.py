@@ -16,8 +16,8 @@ from django.core.management import call_command
 
 from deferred import defer
 from deferred.conf import get_settings
-from deferred.exits import WorkerExit
-from deferred.metrics import WorkerMetrics
+from deferred.worker.exits import WorkerExit
+from deferred.worker.metrics import WorkerMetrics
 from tests.conftest import depth, rabbitmqctl, wait_for
 from tests.test_holding import held_topology
 from tests.testapp.tasks import (

@@ -21,7 +21,7 @@ from django.test import override_settings
 
 from deferred import defer
 from deferred.broker import BrokerUnavailable, server_version
-from deferred.cluster import management_api
+from deferred.cluster.nodes import management_api
 from deferred.conf import get_settings
 from tests.conftest import wait_for
 from tests.testapp.tasks import read_records, record

@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from deferred.topology import (
+from deferred.core.topology import (
     MAX_ROUTING_KEY_BYTES,
     MAX_TTL_MS,
     NO_DELIVERY_LIMIT,
@@ -292,8 +292,8 @@ def test_the_consumer_timeout_goes_on_the_quorum_ready_and_hold_queues_only():
 
 
 def test_quorum_delay_queues_under_classic_ready_queues_are_a_topology_of_their_own():
-    from deferred.permissions import for_role
-    from deferred.topology import build_plan, recorded_plan
+    from deferred.core.topology import build_plan, recorded_plan
+    from deferred.operate.permissions import for_role
 
     common = dict(prefix="app", radix=16, resolution_ms=1, max_delay_ms=60_000, queues=("default",))
     classic = build_plan(queue_type="classic", max_priority=9, **common)

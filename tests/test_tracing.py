@@ -14,7 +14,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 
 from deferred import adefer, defer
 from deferred.conf import get_settings
-from deferred.failures import list_failed
+from deferred.records.failures import list_failed
 from tests.conftest import run_python, wait_for
 from tests.testapp.tasks import explode_async, read_records, record
 
@@ -99,8 +99,9 @@ import sys
 sys.modules["opentelemetry"] = None  # as if opentelemetry-api were not installed
 import django
 django.setup()
-from deferred import defer, tracing
-from deferred.jobs import Job, new_job_id, utcnow
+from deferred import defer
+from deferred.core import tracing
+from deferred.core.jobs import Job, new_job_id, utcnow
 from tests.testapp.tasks import record
 job = Job(id=new_job_id(), task="t", args=(), kwargs={}, due=utcnow(), queue="default")
 assert tracing.producer_headers(job, 0) == {}

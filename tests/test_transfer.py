@@ -31,16 +31,17 @@ from django.conf import settings
 from django.core.management import CommandError, call_command
 from django.test import override_settings
 
-from deferred import cancel, defer, defer_many, failures
+from deferred import cancel, defer, defer_many
 from deferred.broker import BrokerUnavailable, admin_channel, answers, peek, send_record
 from deferred.broker.transfer import Drain, Staging
 from deferred.conf import get_settings
-from deferred.jobs import Job, new_job_id, utcnow
-from deferred.scheduler import Command, Entry, Records
-from deferred.topology import Plan, plan_topology
-from deferred.transfer import Transfer
-from deferred.transfer_plan import staging_plan
+from deferred.core.jobs import Job, new_job_id, utcnow
+from deferred.core.topology import Plan, plan_topology
+from deferred.operate.transfer import Transfer
+from deferred.operate.transfer_plan import staging_plan
+from deferred.records import failures
 from deferred.worker import Worker
+from deferred.worker.scheduler import Command, Entry, Records
 from tests.conftest import ROOT, signed, wait_for
 from tests.testapp.tasks import read_records, timed
 

@@ -9,11 +9,10 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from deferred import cancels
-from deferred.jobs import Job, new_job_id
+from deferred.core.jobs import Job, new_job_id
+from deferred.core.topology import build_plan
 from deferred.management.commands.deferred_transfer import _amqp_url, _batch
-from deferred.topology import build_plan
-from deferred.transfer_plan import (
+from deferred.operate.transfer_plan import (
     FAILED,
     FAILED_ROUTE,
     JOB,
@@ -26,6 +25,7 @@ from deferred.transfer_plan import (
     staging_plan,
     transfer_key,
 )
+from deferred.records import cancels
 
 NOW = datetime(2026, 11, 25, 12, 0, tzinfo=UTC)
 
@@ -220,7 +220,7 @@ def test_a_bare_failed_job_moved_keeps_its_reason_in_our_header():
     # On the new broker its x-death says it was dead-lettered by the move
     # (RabbitMQ 4.3 also drops the client's copy): the reason travels in
     # x-deferred-reason.
-    from deferred import failures
+    from deferred.records import failures
 
     message = body(NOW - timedelta(seconds=5))
     moved = {"x-death": [{"reason": "rejected", "queue": "p.transfer", "count": 1}]}

@@ -18,7 +18,7 @@ from django.core.management import call_command
 from django.test import override_settings
 
 from deferred import defer
-from deferred.jobs import Job, new_job_id, utcnow
+from deferred.core.jobs import Job, new_job_id, utcnow
 from tests.conftest import ROOT, depth, rabbitmqctl, signed, topology_of_its_own, wait_for
 from tests.testapp.tasks import explode, read_records, record, says, sleepy
 
@@ -192,7 +192,7 @@ def test_bad_command_line_options_are_refused():
 def test_close_old_connections_runs_around_each_job(clean, run_worker, records, monkeypatch):
     calls = []
     monkeypatch.setattr(
-        "deferred.pipeline.close_old_connections", lambda: calls.append(time.time())
+        "deferred.worker.pipeline.close_old_connections", lambda: calls.append(time.time())
     )
     run_worker()
     defer(record, 0, records, "db")

@@ -35,7 +35,7 @@ from deferred.broker.errors import (
     TopologyConflict,
     TopologyNotDeclared,
 )
-from deferred.topology import Binding, Plan, Queue
+from deferred.core.topology import Binding, Plan, Queue
 
 logger = logging.getLogger("deferred.broker")
 

@@ -14,7 +14,7 @@ its slot to a queue with jobs waiting (it is cancelled, and consumed again
 once that queue is drained): ``--concurrency N`` runs N jobs of one queue at
 once, however many queues the worker has.
 
-Held jobs (the last mile, :mod:`deferred.holding`) come from the hold queues,
+Held jobs (the last mile, :mod:`deferred.worker.holding`) come from the hold queues,
 each through a consumer of its own whose prefetch is the worker's hold
 allowance (``HOLD_PREFETCH``): held jobs are counted apart from the jobs to
 run, and never take their slots.

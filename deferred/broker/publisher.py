@@ -47,9 +47,9 @@ logger = logging.getLogger("deferred.broker")
 #: On a message sent again after its connection was lost before the broker's
 #: confirm: the first copy may have been taken, so the worker treats this one as
 #: a possible duplicate (it waits briefly, then runs it only if no run of the
-#: job is recorded: deferred.pipeline).
+#: job is recorded: deferred.worker.pipeline).
 COPY_HEADER = "x-deferred-copy"
-#: Its value on a copy the keeper publishes after a broker restart (deferred.keeper);
+#: Its value on a copy the keeper publishes after a broker restart (deferred.worker.keeper);
 #: a retried publish's copy carries 1.
 RESTART_COPY = "restart"
 #: A connection left unused this long is checked before a publish (a quick read,
@@ -137,7 +137,7 @@ class Publisher:
     ) -> None:
         """Publish one persistent message and wait for the broker's confirm.
 
-        ``priority``: the AMQP priority (0-9, :func:`deferred.priorities.level`).
+        ``priority``: the AMQP priority (0-9, :func:`deferred.core.priorities.level`).
         """
         properties = _properties(message_id, headers, priority)
         #: Whether a try sent the message on a connection that went before its confirm.

@@ -1,6 +1,6 @@
 """The results stream's I/O: the workers' writer, and the look-up by timestamp.
 
-What goes in the records and how they are read back is :mod:`deferred.results`;
+What goes in the records and how they are read back is :mod:`deferred.records.results`;
 this module only moves bytes. Two parts:
 
 - :class:`ResultWriter`, one per worker: a thread that publishes the records

@@ -6,7 +6,7 @@ acked with a proof that the broker has taken the acks. On the new broker the
 staging queue is consumed by this transfer alone, read as a whole when it
 starts, filled with publisher confirms, and emptied into the topology by
 rejecting its messages into a dead-letter exchange. Why this order of calls
-moves each job exactly once is :mod:`deferred.transfer`'s to say.
+moves each job exactly once is :mod:`deferred.operate.transfer`'s to say.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from deferred.broker.connection import (
 )
 from deferred.broker.errors import BrokerError, BrokerUnavailable, PublishRefused
 from deferred.broker.publisher import Outgoing, _ConfirmedBatches
-from deferred.topology import Binding, Plan, Queue
+from deferred.core.topology import Binding, Plan, Queue
 
 logger = logging.getLogger("deferred.broker")
 
@@ -47,7 +47,7 @@ logger = logging.getLogger("deferred.broker")
 #: (a lost host) is noticed by the brokers within two of them, and releases what
 #: it held, the staging queue's exclusive consumer included.
 HEARTBEAT_S = 15
-#: The header that names a staged message (see ``deferred.transfer.transfer_key``).
+#: The header that names a staged message (see ``deferred.operate.transfer.transfer_key``).
 KEY_HEADER = "x-deferred-transfer"
 #: How long one batch may take to be confirmed by the new broker.
 CONFIRM_TIMEOUT_S = 60.0

@@ -21,9 +21,9 @@ from django.core.management import call_command
 from django.test import Client
 from django.utils import timezone
 
-from deferred import failures
 from deferred.conf import get_settings
-from deferred.context import running
+from deferred.core.context import running
+from deferred.records import failures
 from deferred.testing import capture, eager
 from deferred.worker import Worker
 from demo_project.reminders.models import Outcome, Reminder
@@ -256,7 +256,7 @@ def test_the_digest_runs_once_per_occurrence_and_shows_on_the_page(client: Clien
     from django.conf import settings
     from django.test import override_settings
 
-    from deferred.schedule import every
+    from deferred.core.schedule import every
     from deferred.testing import fire_schedule
     from demo_project.reminders.models import Digest
 

@@ -250,10 +250,10 @@ class CommandsDirective(SphinxDirective):
 
 #: Where each failure reason is decided, in the order a message meets them.
 REASON_MODULES = {
-    "deferred.intake": ["TOO_LARGE", "BAD_SIGNATURE"],
-    "deferred.jobs": ["UNDECODABLE", "INVALID"],
-    "deferred.failures": ["UNKNOWN_TASK", "DELIVERY_LIMIT", "TIMED_OUT", "UNROUTABLE"],
-    "deferred.retries": ["TASK_ERROR", "RETRIES_EXHAUSTED"],
+    "deferred.core.intake": ["TOO_LARGE", "BAD_SIGNATURE"],
+    "deferred.core.jobs": ["UNDECODABLE", "INVALID"],
+    "deferred.records.failures": ["UNKNOWN_TASK", "DELIVERY_LIMIT", "TIMED_OUT", "UNROUTABLE"],
+    "deferred.core.retries": ["TASK_ERROR", "RETRIES_EXHAUSTED"],
 }
 
 
@@ -271,8 +271,8 @@ class FailureReasonsDirective(SphinxDirective):
 
 class LogLineDirective(SphinxDirective):
     def run(self) -> list[nodes.Node]:
-        outcomes = importlib.import_module("deferred.outcomes")
-        docs = ModuleAnalyzer.for_module("deferred.outcomes").find_attr_docs()
+        outcomes = importlib.import_module("deferred.core.outcomes")
+        docs = ModuleAnalyzer.for_module("deferred.core.outcomes").find_attr_docs()
         comment = " ".join(docs.get(("", "JOB_LINE"), [])).strip()
         levels = {logging.INFO: "INFO", logging.WARNING: "WARNING", logging.ERROR: "ERROR"}
         rows: list[list[nodes.Node | str]] = [

@@ -14,7 +14,7 @@ class TestAppConfig(AppConfig):
 
     def ready(self) -> None:
         if os.environ.get("DEFERRED_TEST_KILL_AFTER_RETRY_PUBLISH"):
-            from deferred.pipeline import Pipeline
+            from deferred.worker.pipeline import Pipeline
 
             original = Pipeline._retry
 

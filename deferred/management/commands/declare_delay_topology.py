@@ -8,14 +8,14 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.template.defaultfilters import pluralize
 
-from deferred import export
 from deferred.broker import Admin, BrokerError, DeclareReport, admin_channel, vhost_of
-from deferred.cancels import cancel_route_missing
-from deferred.cluster import leaders_per_node, management_api
-from deferred.http_api import ManagementAPI
+from deferred.broker.http_api import ManagementAPI
+from deferred.cluster.nodes import leaders_per_node, management_api
+from deferred.core.topology import Plan, plan_topology, recorded_plan
 from deferred.management.arguments import command_settings
-from deferred.removal import Removal, prefix_removal, topology_removal
-from deferred.topology import Plan, plan_topology, recorded_plan
+from deferred.operate import export
+from deferred.operate.removal import Removal, prefix_removal, topology_removal
+from deferred.records.cancels import cancel_route_missing
 
 #: Formats that print the topology as infrastructure code, without the broker.
 IAC_FORMATS = ("definitions", "terraform")

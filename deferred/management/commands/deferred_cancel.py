@@ -8,9 +8,9 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.template.defaultfilters import pluralize
 
-from deferred import cancels
 from deferred.broker import BrokerError
 from deferred.management.arguments import command_settings
+from deferred.records import cancels
 
 
 class Command(BaseCommand):

@@ -9,9 +9,9 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.template.defaultfilters import pluralize
 
-from deferred import failures
 from deferred.broker import BrokerError
 from deferred.management.arguments import command_settings, seconds
+from deferred.records import failures
 
 
 class Command(BaseCommand):

@@ -9,11 +9,11 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.template.defaultfilters import pluralize
 
-from deferred import repair
-from deferred.cluster import management_api
+from deferred.cluster import repair
+from deferred.cluster.nodes import management_api
+from deferred.cluster.stuck import find_stuck
+from deferred.core.topology import plan_topology
 from deferred.management.arguments import command_settings, seconds
-from deferred.stuck import find_stuck
-from deferred.topology import plan_topology
 
 #: Stuck queues repaired at the same time.
 PARALLEL_REPAIRS = 4

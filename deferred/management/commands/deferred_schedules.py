@@ -8,9 +8,9 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from deferred import scheduler
 from deferred.broker import BrokerError
 from deferred.management.arguments import command_settings
+from deferred.worker import scheduler
 
 
 def _when(value: datetime | None) -> str:

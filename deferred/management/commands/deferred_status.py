@@ -9,10 +9,11 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from deferred import results, status
 from deferred.broker import BrokerError
 from deferred.conf import DeferredSettings
 from deferred.management.arguments import command_settings, seconds
+from deferred.operate import status
+from deferred.records import results
 
 #: ANSI: cursor home, then clear the screen (what ``watch`` does between frames).
 CLEAR_SCREEN = "\x1b[H\x1b[2J"

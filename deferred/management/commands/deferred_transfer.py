@@ -13,8 +13,8 @@ from django.template.defaultfilters import pluralize
 
 from deferred.broker import BrokerError, safe_url
 from deferred.management.arguments import command_settings
-from deferred.transfer import BATCH, Transfer, TransferError
-from deferred.transfer_plan import Progress, Summary
+from deferred.operate.transfer import BATCH, Transfer, TransferError
+from deferred.operate.transfer_plan import Progress, Summary
 
 
 def _amqp_url(value: str) -> str:

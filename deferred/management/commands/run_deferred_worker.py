@@ -13,12 +13,12 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from deferred.broker import BrokerError
 from deferred.conf import get_settings
-from deferred.exits import WorkerExit
-from deferred.health import HealthFile
-from deferred.metrics import MetricsError, WorkerMetrics, prometheus_client
-from deferred.recycling import Recycling
-from deferred.supervisor import Liveness, Supervisor, child_command
 from deferred.worker import Worker
+from deferred.worker.exits import WorkerExit
+from deferred.worker.health import HealthFile
+from deferred.worker.metrics import MetricsError, WorkerMetrics, prometheus_client
+from deferred.worker.recycling import Recycling
+from deferred.worker.supervisor import Liveness, Supervisor, child_command
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
 _LEVELS = {0: logging.WARNING, 1: logging.INFO, 2: logging.DEBUG, 3: logging.DEBUG}

@@ -1,0 +1,274 @@
+"""The plan as infrastructure as code: a RabbitMQ definitions document, or Terraform.
+
+Some teams do not let applications create broker objects: exchanges and queues
+are owned by infrastructure code, reviewed and applied like any other change.
+Both documents here are derived from the same pure :class:`~deferred.core.topology.Plan`
+that ``Admin.declare`` applies, with the same durability, types and arguments,
+so a topology created by either is exactly the one the app would declare (a
+difference would make RabbitMQ answer 406 the first time the app declares it,
+and would make ``DEFERRED["DECLARE"] = False`` lie). No broker I/O here.
+
+* :func:`definitions` is the JSON that ``rabbitmqctl import_definitions`` (or
+  ``load_definitions`` in ``rabbitmq.conf``) accepts. That format names the
+  vhost in every object, and the vhost must already exist.
+* :func:`terraform` is a module for the community RabbitMQ provider
+  (``cyrilgdn/rabbitmq``), with the vhost as a variable.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from deferred.core.topology import Binding, Exchange, Plan, Queue
+from deferred.operate import permissions
+
+#: The Terraform provider the generated module requires.
+TERRAFORM_PROVIDER = "cyrilgdn/rabbitmq"
+
+
+# --------------------------------------------------------------------------- definitions
+
+
+def definitions(plan: Plan, *, vhost: str = "/", users: bool = False) -> dict[str, Any]:
+    """The RabbitMQ definitions document for every exchange, queue and binding of ``plan``.
+
+    The document lists no vhost: importing a vhost that exists already would
+    reset its description and tags, and creating one would still leave it
+    without permissions. Create the vhost first.
+
+    ``users`` adds the three least-privilege users (see :mod:`deferred.operate.permissions`)
+    and their permissions on ``vhost``, with no password: set one per user
+    with ``rabbitmqctl change_password`` (see :func:`user_definitions`).
+    """
+    document = {
+        "exchanges": [
+            {
+                "name": exchange.name,
+                "vhost": vhost,
+                "type": exchange.type,
+                "durable": True,
+                "auto_delete": False,
+                "internal": False,
+                "arguments": dict(exchange.arguments),
+            }
+            for exchange in plan.all_exchanges
+        ],
+        "queues": [
+            {
+                "name": queue.name,
+                "vhost": vhost,
+                "durable": True,
+                "auto_delete": False,
+                "arguments": dict(queue.arguments),
+            }
+            for queue in plan.all_queues
+        ],
+        "bindings": [
+            {
+                "source": binding.source,
+                "vhost": vhost,
+                "destination": binding.destination,
+                "destination_type": binding.destination_type,
+                "routing_key": binding.routing_key,
+                "arguments": {},
+            }
+            for binding in plan.all_bindings
+        ],
+    }
+    if users:
+        document.update(user_definitions(plan.prefix, vhost))
+    return document
+
+
+def user_definitions(prefix: str, vhost: str) -> dict[str, Any]:
+    """The ``users`` and ``permissions`` sections for the three roles.
+
+    No password and no hash: a password never belongs in a file that is
+    reviewed and committed. Users created this way cannot log in until
+    ``rabbitmqctl change_password`` gives them one.
+    """
+    return {
+        "users": [
+            {"name": permissions.user_name(role, prefix), "tags": []} for role in permissions.ROLES
+        ],
+        "permissions": [
+            {
+                "user": permissions.user_name(role, prefix),
+                "vhost": vhost,
+                "configure": rights.configure,
+                "write": rights.write,
+                "read": rights.read,
+            }
+            for role in permissions.ROLES
+            for rights in [permissions.for_role(role, prefix)]
+        ],
+    }
+
+
+# --------------------------------------------------------------------------- terraform
+
+
+def terraform(plan: Plan, *, vhost: str = "/") -> str:
+    """A Terraform module that creates every exchange, queue and binding of ``plan``.
+
+    Bindings refer to their exchanges and queues by reference, so Terraform
+    creates them after, and destroys them before, what they bind. Queue
+    arguments go through ``arguments_json``: the provider's plain
+    ``arguments`` map sends every value as a string, and RabbitMQ refuses a
+    string ``x-message-ttl``.
+    """
+    exchange_ids = _by_name(plan.all_exchanges)
+    queue_ids = _by_name(plan.all_queues)
+    binding_ids = _identifiers([f"{b.source}__to__{b.destination}" for b in plan.all_bindings])
+    counts = (
+        f"{len(plan.all_exchanges)} exchanges, {len(plan.all_queues)} queues, "
+        f"{len(plan.all_bindings)} bindings"
+    )
+    blocks = [
+        "# Generated by `python manage.py declare_delay_topology --format terraform`:\n"
+        f"# topology {plan.topology_id} under PREFIX {plan.prefix} ({counts}).\n"
+        "# Regenerate it after changing DEFERRED instead of editing it.",
+        _block(
+            "terraform",
+            [],
+            [
+                _block(
+                    "required_providers",
+                    [],
+                    [f"rabbitmq = {{\n  source = {_string(TERRAFORM_PROVIDER)}\n}}"],
+                )
+            ],
+        ),
+        _block(
+            'variable "vhost"',
+            [
+                ("description", _string("The RabbitMQ virtual host that holds the topology.")),
+                ("type", "string"),
+                ("default", _string(vhost)),
+            ],
+        ),
+        *(_exchange(e, exchange_ids[e.name]) for e in plan.all_exchanges),
+        *(_queue(q, queue_ids[q.name]) for q in plan.all_queues),
+        *(
+            _binding(b, ident, exchange_ids, queue_ids)
+            for b, ident in zip(plan.all_bindings, binding_ids, strict=True)
+        ),
+    ]
+    return "\n\n".join(blocks) + "\n"
+
+
+def _exchange(exchange: Exchange, ident: str) -> str:
+    settings: list[str] = [
+        _attributes(
+            [("type", _string(exchange.type)), ("durable", "true"), ("auto_delete", "false")]
+        )
+    ]
+    if exchange.arguments:
+        # The exchange resource only has the string map; alternate-exchange is a string.
+        settings.append(f"arguments = {_object(exchange.arguments, strings_only=True)}")
+    return _block(
+        f'resource "rabbitmq_exchange" "{ident}"',
+        [("name", _string(exchange.name)), ("vhost", "var.vhost")],
+        [_block("settings", [], settings)],
+    )
+
+
+def _queue(queue: Queue, ident: str) -> str:
+    settings = [("durable", "true"), ("auto_delete", "false")]
+    if queue.arguments:
+        settings.append(("arguments_json", f"jsonencode({_object(queue.arguments)})"))
+    return _block(
+        f'resource "rabbitmq_queue" "{ident}"',
+        [("name", _string(queue.name)), ("vhost", "var.vhost")],
+        [_block("settings", settings)],
+    )
+
+
+def _binding(
+    binding: Binding, ident: str, exchange_ids: dict[str, str], queue_ids: dict[str, str]
+) -> str:
+    if binding.destination_type == "exchange":
+        destination = f"rabbitmq_exchange.{exchange_ids[binding.destination]}.name"
+    else:
+        destination = f"rabbitmq_queue.{queue_ids[binding.destination]}.name"
+    return _block(
+        f'resource "rabbitmq_binding" "{ident}"',
+        [
+            ("source", f"rabbitmq_exchange.{exchange_ids[binding.source]}.name"),
+            ("vhost", "var.vhost"),
+            ("destination", destination),
+            ("destination_type", _string(binding.destination_type)),
+            ("routing_key", _string(binding.routing_key)),
+        ],
+    )
+
+
+_NOT_IDENTIFIER = re.compile(r"[^A-Za-z0-9_-]")
+
+
+def _by_name(objects: tuple[Exchange, ...] | tuple[Queue, ...]) -> dict[str, str]:
+    names = [o.name for o in objects]
+    return dict(zip(names, _identifiers(names), strict=True))
+
+
+def _identifiers(names: list[str]) -> list[str]:
+    """A Terraform resource name for each broker name: stable, valid and unique.
+
+    Broker names carry dots, which HCL identifiers cannot: they become
+    underscores. Two names that would collide get a numbered suffix, in
+    order, so the same plan always gives the same names.
+    """
+    out: list[str] = []
+    used: set[str] = set()
+    for name in names:
+        ident = _NOT_IDENTIFIER.sub("_", name)
+        if not re.match(r"[A-Za-z_]", ident):
+            ident = f"_{ident}"
+        candidate, n = ident, 1
+        while candidate in used:
+            n += 1
+            candidate = f"{ident}_{n}"
+        used.add(candidate)
+        out.append(candidate)
+    return out
+
+
+def _string(value: str) -> str:
+    """An HCL string literal; ``${`` and ``%{`` would start a template, so they are escaped."""
+    quoted = json.dumps(value, ensure_ascii=False)
+    return quoted.replace("${", "$${").replace("%{", "%%{")
+
+
+def _value(value: Any, *, strings_only: bool = False) -> str:
+    if strings_only or isinstance(value, str):
+        return _string(str(value))
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return json.dumps(value)
+    raise TypeError(f"Cannot write {value!r} as an HCL value.")
+
+
+def _object(values: dict[str, Any], *, strings_only: bool = False) -> str:
+    """A multi-line HCL object, keys quoted (they hold dashes), ``=`` aligned."""
+    pairs = [(_string(k), _value(v, strings_only=strings_only)) for k, v in values.items()]
+    return "{\n" + _indent(_attributes(pairs)) + "\n}"
+
+
+def _attributes(pairs: list[tuple[str, str]]) -> str:
+    """``key = value`` lines with the ``=`` aligned, as ``terraform fmt`` writes them."""
+    width = max((len(k) for k, _ in pairs), default=0)
+    return "\n".join(f"{k.ljust(width)} = {v}" for k, v in pairs)
+
+
+def _block(header: str, pairs: list[tuple[str, str]], nested: list[str] | None = None) -> str:
+    parts = [_attributes(pairs)] if pairs else []
+    parts.extend(nested or [])
+    body = "\n\n".join(_indent(part) for part in parts)
+    return f"{header} {{\n{body}\n}}"
+
+
+def _indent(text: str) -> str:
+    return "\n".join(f"  {line}" if line else line for line in text.splitlines())

@@ -1,0 +1,554 @@
+"""Cancelling jobs by id: ``cancel()``, and what every worker knows of the cancels.
+
+A job waiting in a delay queue cannot be taken out of it, so a cancel is a
+note instead: its id, appended to a RabbitMQ stream (``PREFIX.cancels``).
+The broker keeps the stream on disk and replicated; every worker reads it
+from the start when it boots and then follows it, and drops a job it finds
+there when the job comes due. No table, no polling, no local disk.
+
+How long a cancel is kept: a job id carries the job's first due time
+(:func:`deferred.core.jobs.due_of`), so a cancel is in force until that time (or
+the cancel's own time, if later: the job may be running or waiting for a
+retry) plus ``CANCEL_MARGIN``. Memory therefore holds the cancels of jobs
+still pending, plus those of the last margin. The stream keeps every cancel
+for ``MAX_DELAY + CANCEL_MARGIN``, long enough for the latest one to matter.
+
+A cancel issued just before its job is due wins: before running a job, the
+worker asks its reader to catch up with the stream (a round trip on the
+reading channel, shared by the jobs that wait for it), so any cancel whose
+``cancel()`` had returned before the job came due (or 50 ms before it is
+taken, for a job that waited in a backlog) is known, the hosts' clocks
+agreeing as "never early" assumes. On a cluster the reader may follow a
+replica that learns of a commit a few milliseconds after the confirm: a
+cancel within that moment of the due time can lose. When the reader (re)connects, it first
+writes a marker to the stream and reads up to it: no job runs before the
+reader has read every cancel confirmed before it connected.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from django.template.defaultfilters import pluralize
+
+from deferred import broker
+from deferred.conf import DeferredSettings, get_settings
+from deferred.core import notices, signing
+from deferred.core.jobs import BrokenMessage, Job, due_of, new_job_id, utcnow
+from deferred.core.keys import KeyView
+from deferred.core.topology import CANCEL_ROUTING_KEY, plan_topology
+
+logger = logging.getLogger("deferred.cancels")
+
+FORMAT_VERSION = 1
+#: Ids per stream message: a large cancel_many() is a few messages, not one per job.
+IDS_PER_MESSAGE = 1000
+#: The longest job id accepted (ours are 32 characters; django.tasks ids are ours too).
+MAX_ID_LENGTH = 200
+
+#: Pushed by ``deferred.testing`` (capture and eager modes): the newest one
+#: receives each cancel instead of the broker.
+interceptors: list[Callable[[list[str]], None]] = []
+
+
+def cancel(job_id: str) -> None:
+    """Cancel the job ``job_id`` (the id ``defer()`` returned): it will not run.
+
+    A job waiting for its first run or for a retry does not run; a job
+    running now finishes, and is not retried. The cancel is durable when
+    this returns (the broker confirmed it), and holds through restarts of
+    the workers and the broker, until the job's due time plus
+    ``CANCEL_MARGIN``. See the README's "Cancelling jobs" for the limits (a
+    cancel within milliseconds of the due time on a cluster, a retry that
+    waits longer than the margin).
+
+    An id that is unknown, of a job that already finished, or already
+    cancelled is accepted quietly: nothing can tell these apart without a
+    table. ``TypeError`` or ``ValueError`` for something that is not an id;
+    ``deferred.BrokerError`` if the broker cannot take the cancel.
+    """
+    cancel_many([job_id])
+
+
+def cancel_many(job_ids: Iterable[str]) -> None:
+    """Cancel every job of ``job_ids``, in a few broker messages; see :func:`cancel`.
+
+    Every id is checked before anything is published. Confirmed as a whole:
+    when this returns, every cancel is durable; on ``BrokerError`` some may
+    have been taken and others not, and calling again is harmless.
+    """
+    if isinstance(job_ids, str | bytes):
+        raise TypeError("cancel_many() takes a list of job ids, not a single string.")
+    ids = [_checked(job_id) for job_id in job_ids]
+    if not ids:
+        return
+    if interceptors:
+        interceptors[-1](ids)
+        return
+    settings = get_settings()
+    plan = plan_topology(settings)
+    bodies = [
+        encode(ids[n : n + IDS_PER_MESSAGE], utcnow()) for n in range(0, len(ids), IDS_PER_MESSAGE)
+    ]
+    messages = [
+        broker.Outgoing(
+            plan.ingest_exchange,
+            CANCEL_ROUTING_KEY,
+            body,
+            new_job_id(),
+            signing.sign(body, settings.signing_keys),
+        )
+        for body in bodies
+    ]
+    sender = broker.publisher_for(settings)
+    if len(messages) == 1:
+        m = messages[0]
+        sender.publish(
+            m.exchange, m.routing_key, m.body, message_id=m.message_id, headers=m.headers
+        )
+    else:
+        sender.publish_many(messages)
+
+
+def cancel_route_missing(settings: DeferredSettings) -> str | None:
+    """What is missing for ``cancel()`` to reach the stream, or ``None``.
+
+    The binding from the ingest exchange cannot be inspected over AMQP: a
+    marker (which cancels nothing) is sent the way a cancel goes, ``mandatory``.
+    A topology declared by a version before cancels went through the ingest
+    exchange lacks it until ``declare_delay_topology`` runs again.
+    """
+    plan = plan_topology(settings)
+    token = uuid.uuid4().hex
+    try:
+        broker.publisher_for(settings).publish(
+            plan.ingest_exchange, CANCEL_ROUTING_KEY, encode_marker(token), message_id=token
+        )
+    except broker.TopologyNotDeclared:
+        return (
+            f"binding {plan.ingest_exchange} -> {plan.cancels_queue.name} "
+            f"(routing key {CANCEL_ROUTING_KEY!r}), which cancel() needs"
+        )
+    return None
+
+
+def _checked(job_id: object) -> str:
+    if not isinstance(job_id, str):
+        raise TypeError(f"A job id is a string (what defer() returned), got {job_id!r}.")
+    if not job_id or len(job_id) > MAX_ID_LENGTH or not job_id.isprintable():
+        raise ValueError(f"Not a job id: {job_id!r}.")
+    return job_id
+
+
+# --------------------------------------------------------------------------- records
+
+
+def encode(ids: list[str], at: datetime) -> bytes:
+    """One stream message: the cancelled ids and when they were cancelled."""
+    return json.dumps(
+        {"version": FORMAT_VERSION, "at": at.isoformat(), "ids": ids}, separators=(",", ":")
+    ).encode()
+
+
+def encode_marker(token: str) -> bytes:
+    """A message that cancels nothing: a reader that reads it back knows it has read
+    every cancel confirmed before it was written."""
+    return json.dumps({"version": FORMAT_VERSION, "marker": token}).encode()
+
+
+def marker_of(body: bytes) -> str | None:
+    """The token of a marker message; ``None`` for any other message."""
+    if b'"marker"' not in body:
+        return None
+    try:
+        data = _json(body)
+    except ValueError:
+        return None
+    marker = data.get("marker") if isinstance(data, dict) else None
+    return marker if isinstance(marker, str) else None
+
+
+def _json(body: bytes) -> object:
+    """The decoded body; ``ValueError`` for anything JSON cannot read (a body nested
+    too deeply for the parser included)."""
+    try:
+        return json.loads(body)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+
+
+def decode_record(body: bytes) -> tuple[list[str], datetime] | Job:
+    """A cancel record's ``(ids, at)``, or a keyed job (``deferred.core.keys``): the two
+    things the stream holds besides markers. ``ValueError`` for anything else."""
+    if b'"task"' in body:
+        try:
+            job = Job.decode(body)
+        except BrokenMessage as exc:
+            raise ValueError(f"not a job: {exc}") from None
+        if job.key is None:
+            raise ValueError(f"job {job.id} has no key: it has no business in the stream")
+        return job
+    return decode(body)
+
+
+def decode(body: bytes) -> tuple[list[str], datetime]:
+    """``(ids, at)`` of a cancel record; ``ValueError`` for anything else."""
+    data = _json(body)
+    if not isinstance(data, dict) or data.get("version") != FORMAT_VERSION:
+        raise ValueError("not a cancel record of a known version")
+    ids, at = data.get("ids"), data.get("at")
+    if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
+        raise ValueError("a cancel record's ids must be a list of strings")
+    if not isinstance(at, str) or (moment := datetime.fromisoformat(at)).tzinfo is None:
+        raise ValueError("a cancel record's time must be an aware ISO 8601 string")
+    return ids, moment
+
+
+def expires(job_id: str, at: datetime, margin_s: float) -> float:
+    """When the cancel of ``job_id`` made at ``at`` may be forgotten (epoch seconds).
+
+    Its job's first due time (from the id) or the cancel's time, whichever
+    is later, plus the margin: a job cancelled before it was due is dropped
+    when it comes due and never retried; one cancelled later may be running
+    or waiting for a retry due at most a margin later. An id this library
+    did not make names no job: it is kept for the margin only.
+    """
+    due = due_of(job_id)
+    start = at if due is None else max(due, at)
+    return start.timestamp() + margin_s
+
+
+class CancelView:
+    """The cancels in force, in memory: job id -> when it may be forgotten; and the
+    debounce keys in force (``keys``), which live in the same stream."""
+
+    def __init__(self, margin_s: float) -> None:
+        self.margin_s = margin_s
+        self._until: dict[str, float] = {}
+        self.keys = KeyView(margin_s)
+
+    def apply(self, record: tuple[list[str], datetime] | Job, now: float) -> None:
+        """One record of the stream, read in the stream's order (``decode_record``)."""
+        if isinstance(record, Job):
+            assert record.key is not None
+            self.keys.add(record.key, record.id, record.first_due.timestamp(), now)
+        else:
+            self.add(*record, now)
+
+    def add(self, ids: Iterable[str], at: datetime, now: float) -> None:
+        until = self._until
+        for job_id in ids:
+            expiry = expires(job_id, at, self.margin_s)
+            if expiry > now and expiry > until.get(job_id, 0.0):
+                until[job_id] = expiry
+
+    def __contains__(self, job_id: object) -> bool:
+        return job_id in self._until
+
+    def __len__(self) -> int:
+        return len(self._until)
+
+    def sweep(self, now: float) -> int:
+        """Forget the cancels and keys whose time is up; how many were forgotten."""
+        expired = [job_id for job_id, until in self._until.items() if until <= now]
+        for job_id in expired:
+            del self._until[job_id]
+        return len(expired) + self.keys.sweep(now)
+
+
+def read_cancels(settings: DeferredSettings | None = None, *, timeout: float = 30.0) -> CancelView:
+    """The cancels in force now: the whole stream, read once (status command and page).
+
+    ``BrokerError`` if the stream cannot be read.
+    """
+    settings = settings or get_settings()
+    view = CancelView(settings.cancel_margin_ms / 1000)
+    now = time.time()
+
+    def on_message(_offset: int, body: bytes, headers: dict[str, Any]) -> None:
+        try:
+            record = decode_record(body)
+            if settings.signing:
+                signing.verify(body, headers, settings.signing_keys)
+        except ValueError:  # BadSignature too: what a worker would ignore
+            return
+        view.apply(record, now)
+
+    follower = broker.StreamFollower(
+        settings.broker_urls, plan_topology(settings).cancels_queue.name, on_message
+    )
+    started = time.monotonic()
+    follower.connect(timeout=timeout)
+    try:
+        # A new consumer's first messages come a moment after it subscribed:
+        # wait for a quiet moment before the round trips that prove the rest.
+        # (A count for people; a worker proves it with a marker instead.)
+        while True:
+            before = follower.received
+            follower.poll(QUIET_S)
+            if follower.received == before or time.monotonic() - started > timeout:
+                break
+        follower.sync(timeout=max(0.1, timeout - (time.monotonic() - started)))
+    finally:
+        follower.close()
+    return view
+
+
+# --------------------------------------------------------------------------- the worker's view
+
+
+#: How long the status waits for a stream's first messages.
+QUIET_S = 0.2
+#: A catch-up younger than this covers a job however long ago it came due: a
+#: cancel confirmed while the job waited to be taken still wins, for 20 rounds a second.
+FRESH_S = 0.05
+#: The shortest time between two catch-up rounds (each is a round trip the broker
+#: answers): caps them at 200 a second however many jobs come due.
+SYNC_SPACING_S = 0.005
+#: How often the reader forgets expired cancels.
+SWEEP_EVERY_S = 60.0
+#: Reconnection waits double from the first to the last, then stay there.
+RECONNECT_FIRST_S = 0.1
+RECONNECT_CAP_S = 5.0
+#: How long a (re)connected reader may take to read the stream up to its own marker.
+MARKER_TIMEOUT_S = 120.0
+
+
+@dataclass
+class _Progress:
+    #: Catch-ups asked for, and done (the latest request a completed one covers).
+    requested: int = 0
+    synced: int = 0
+    #: Every cancel confirmed before this time (epoch seconds) has been read.
+    proven: float = 0.0
+
+
+class CancelWatch:
+    """A thread that reads the cancels stream and answers "is this job cancelled?".
+
+    :meth:`is_cancelled` first makes the reader catch up with the stream
+    (one round trip serves every job waiting at that moment), so a cancel
+    confirmed before the question is never missed. While the stream cannot
+    be read it raises ``BrokerUnavailable``: a job is not run on a guess.
+    """
+
+    def __init__(self, settings: DeferredSettings, *, clock: Callable[[], float] = time.time):
+        self.settings = settings
+        self.clock = clock
+        self.view = CancelView(settings.cancel_margin_ms / 1000)
+        self.queue = plan_topology(settings).cancels_queue.name
+        self._follower = broker.StreamFollower(settings.broker_urls, self.queue, self._on_message)
+        self._next_offset: int | None = None
+        #: The marker this reader wrote and has not read back yet.
+        self._awaited: str | None = None
+        self._progress = _Progress()
+        self._cond = threading.Condition()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        #: Set while the stream is being read (tests and status wait on it).
+        self.connected = threading.Event()
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="deferred-cancels", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._follower.wake()
+        with self._cond:
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def __len__(self) -> int:
+        """The cancels in force that this worker knows of."""
+        return len(self.view)
+
+    def is_cancelled(self, job_id: str, timeout: float, *, due: float | None = None) -> bool:
+        """Whether ``job_id`` is cancelled, once every cancel confirmed before ``due``
+        (epoch seconds; default: now) has been read."""
+        self.sync(timeout, since=due)
+        return job_id in self.view
+
+    def sync(self, timeout: float, *, since: float | None = None) -> None:
+        """Wait until the reader has read every cancel confirmed before ``since`` (default: now).
+
+        A catch-up that began after ``since`` proves it already: a backlog of
+        jobs that came due a while ago costs one round trip, not one each.
+        """
+        if since is not None and self._progress.proven >= max(since, time.time() - FRESH_S):
+            return
+        with self._cond:
+            self._progress.requested += 1
+            ticket = self._progress.requested
+        self._follower.wake()
+        with self._cond:
+            done = self._cond.wait_for(
+                lambda: self._progress.synced >= ticket or self._stopping.is_set(), timeout
+            )
+        if not done or self._progress.synced < ticket:
+            raise broker.BrokerUnavailable(
+                f"Could not read the cancels (stream {self.queue}) within {timeout:.0f} s: "
+                "the job is handed back rather than run without knowing whether it was cancelled."
+            )
+
+    def _on_message(self, offset: int, body: bytes, headers: dict[str, Any]) -> None:
+        self._next_offset = offset + 1
+        marker = marker_of(body)
+        if marker is not None:
+            # Unsigned: a marker only ends a catch-up, and its token is a
+            # random one no one else knows.
+            if marker == self._awaited:
+                self._awaited = None
+            return
+        try:
+            record = decode_record(body)
+        except ValueError as exc:
+            logger.warning(
+                "Ignoring a message of stream %s that is neither a cancel nor a keyed job: %s",
+                self.queue,
+                exc,
+            )
+            return
+        if self.settings.signing:
+            try:
+                signing.verify(body, headers, self.settings.signing_keys)
+            except signing.BadSignature as exc:
+                # A forged cancel, or a forged keyed job superseding real ones,
+                # would stop jobs from running: it is not applied.
+                what = (
+                    f"keyed job {record.id}"
+                    if isinstance(record, Job)
+                    else f"{len(record[0])} cancel{pluralize(len(record[0]))}"
+                )
+                logger.error(
+                    "Ignoring %s of stream %s at offset %d: %s.", what, self.queue, offset, exc
+                )
+                return
+        self.view.apply(record, self.clock())
+
+    def _declare_stream(self) -> bool:
+        """With ``DECLARE`` on, create a missing stream (a deploy that skipped
+        ``declare_delay_topology`` after an upgrade): jobs must not wait on it."""
+        if not self.settings.declare:
+            return False
+        try:
+            with broker.admin_channel(
+                self.settings.broker_urls, timeout=self.settings.publish_timeout_s
+            ) as admin:
+                admin.declare_cancels(plan_topology(self.settings))
+        except broker.BrokerError as exc:
+            if isinstance(exc, broker.TopologyNotDeclared) or "NOT_FOUND" in str(exc):
+                notices.topology_missing(exc)  # its exchange is missing too
+            else:
+                logger.error("Could not declare the cancels stream %s: %s", self.queue, exc)
+            return False
+        logger.warning(
+            "Declared the missing cancels stream %s; run declare_delay_topology after each "
+            "upgrade to create what a new version needs.",
+            self.queue,
+        )
+        return True
+
+    def _read_to_marker(self) -> None:
+        """Read up to a marker written now: the proof that every cancel confirmed before
+        this (re)connection has been read.
+
+        A new consumer of a stream gets its first messages only after the
+        broker's reader notices them, so an empty first read proves nothing.
+        One marker per connection of a worker is all the stream gets.
+        """
+        token = uuid.uuid4().hex
+        self._awaited = token
+        sent = time.time()
+        # Straight into the stream (the worker may use the default exchange):
+        # reading the cancels does not depend on the ingest exchange's binding,
+        # which a topology declared by an earlier version lacks.
+        broker.publisher_for(self.settings).publish(
+            "", self.queue, encode_marker(token), message_id=token
+        )
+        deadline = time.monotonic() + MARKER_TIMEOUT_S
+        while self._awaited is not None:
+            if time.monotonic() > deadline or self._stopping.is_set():
+                raise broker.BrokerUnavailable(
+                    f"Did not read back this worker's marker from stream {self.queue} within "
+                    f"{MARKER_TIMEOUT_S:.0f} s."
+                )
+            self._follower.poll(0.05)
+        with self._cond:
+            self._progress.proven = max(self._progress.proven, sent)
+
+    def _run(self) -> None:
+        wait_s = RECONNECT_FIRST_S
+        swept = time.monotonic()
+        while not self._stopping.is_set():
+            try:
+                first = self._next_offset is None
+                started = time.monotonic()
+                self._follower.connect(self._next_offset)
+                self._read_to_marker()
+                logger.info(
+                    "%s the cancels: %d in force (%.1f s).",
+                    "Read" if first else "Caught up with",
+                    len(self.view),
+                    time.monotonic() - started,
+                )
+                self.connected.set()
+                wait_s = RECONNECT_FIRST_S
+                last_round = 0.0
+                while not self._stopping.is_set():
+                    with self._cond:
+                        ticket = self._progress.requested
+                    if time.monotonic() - swept > SWEEP_EVERY_S:
+                        self.view.sweep(self.clock())
+                        swept = time.monotonic()
+                    if ticket > self._progress.synced:
+                        # Rounds at most every SYNC_SPACING_S: under load, the jobs
+                        # that came due meanwhile share the next one.
+                        wait = last_round + SYNC_SPACING_S - time.monotonic()
+                        if wait > 0:
+                            self._follower.poll(wait)
+                            continue
+                        last_round = time.monotonic()
+                        sent = time.time()
+                        self._follower.sync(timeout=self.settings.publish_timeout_s)
+                        with self._cond:
+                            self._progress.synced = ticket
+                            self._progress.proven = max(self._progress.proven, sent)
+                            self._cond.notify_all()
+                        continue
+                    self._follower.poll(1.0)
+            except (broker.BrokerUnavailable, broker.TopologyNotDeclared) as exc:
+                self.connected.clear()
+                if self._stopping.is_set():
+                    break
+                if isinstance(exc, broker.StreamGone | broker.TopologyNotDeclared):
+                    # A new stream starts its offsets again: read it from its start.
+                    self._next_offset = None
+                if isinstance(exc, broker.TopologyNotDeclared) and self._declare_stream():
+                    continue
+                if isinstance(exc, broker.TopologyNotDeclared):
+                    notices.topology_missing(exc)
+                else:
+                    logger.error(
+                        "Cannot read the cancels (%s); jobs wait until it can. Retrying in %.1f s.",
+                        exc,
+                        wait_s,
+                    )
+                self._stopping.wait(wait_s)
+                wait_s = min(wait_s * 2, RECONNECT_CAP_S)
+            except Exception:
+                self.connected.clear()
+                logger.exception("The cancels reader failed; restarting it in %.1f s.", wait_s)
+                self._stopping.wait(wait_s)
+                wait_s = min(wait_s * 2, RECONNECT_CAP_S)
+        self.connected.clear()
+        self._follower.close()
