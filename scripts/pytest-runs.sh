@@ -1,34 +1,48 @@
 #!/usr/bin/env bash
 # Runs COMMAND (a pytest command line, possibly behind a wrapper such as
-# scripts/rabbitmq-release.sh ... run --) once, or, with WHOLE=1, three times:
-# the test files from a to r, those from s to z, then the three-node cluster's
-# tests alone.
+# scripts/rabbitmq-release.sh ... run --) once, or, with WHOLE=1, the whole
+# suite in three runs:
+#   1. every test but the cluster's and those marked "alone", in PARALLEL
+#      processes side by side (pytest-xdist), each test where a process is free,
+#      but the tests of a file marked xdist_group together (they share a node
+#      they start, such as the TLS node);
+#   2. the tests marked "alone", one after the other: they restart the broker,
+#      close every connection or raise its memory alarm, which the tests beside
+#      them would feel, or hold a timing to a few milliseconds that a busy host
+#      misses;
+#   3. the three-node cluster's tests, one after the other: they start, kill and
+#      restart nodes, and their timings need the cores.
 #
-#   WHOLE=1 scripts/pytest-runs.sh COMMAND...
+#   WHOLE=1 [MARK='not slow'] [PARALLEL=4] scripts/pytest-runs.sh COMMAND...
 #
-# Why three runs: the cluster tests start, kill and restart RabbitMQ nodes, and
-# take a third of the whole suite's time (twice as long on RabbitMQ 4.3 as on
-# 3.10), and the rest took 16 minutes in one run on a loaded host; split, each
-# run stays within CI's 15 minutes. Every run goes on when one fails, so one
-# pass shows every failure; the exit status is the first failing run's.
+# Why side by side: the tests mostly wait, on the broker and on real delays of
+# milliseconds to seconds, not on the host's two cores; one process after the
+# other, the suite took twice CI's 15 minutes a run. Each test run gets a PREFIX
+# of its own (tests/settings.py), so processes side by side share no queue.
+# MARK keeps only the tests it selects (pytest -m), in every run. Every run goes
+# on when one fails, so one pass shows every failure; the exit status is the
+# first failing run's.
 set -uo pipefail
 if [ "${WHOLE:-0}" != 1 ]; then
     exec "$@"
 fi
-later=()
-for file in tests/test_[s-z]*.py; do
-    [ "$file" = tests/test_cluster.py ] || later+=("$file")
-done
-ignored=()
-for file in "${later[@]}"; do
-    ignored+=("--ignore=$file")
-done
+mark="${MARK:-}"
+both() { # $1: this run's own selection; with MARK, both must hold
+    if [ -n "$mark" ]; then echo "($mark) and ($1)"; else echo "$1"; fi
+}
 status=0
-"$@" --ignore=tests/test_cluster.py "${ignored[@]}" || status=$?
-code=0
-"$@" "${later[@]}" || code=$?
-[ "$status" = 0 ] && status=$code
-code=0
-"$@" tests/test_cluster.py || code=$?
-[ "$status" = 0 ] && status=$code
+run() {
+    local code=0
+    "$@" || code=$?
+    # 5: no test was selected (MARK left none in this run), which is no failure.
+    [ "$code" = 5 ] && code=0
+    [ "$status" = 0 ] && status=$code
+}
+run "$@" -n "${PARALLEL:-4}" --dist loadgroup --ignore=tests/test_cluster.py -m "$(both "not alone")"
+run "$@" --ignore=tests/test_cluster.py -m "$(both alone)"
+if [ -n "$mark" ]; then
+    run "$@" tests/test_cluster.py -m "$mark"
+else
+    run "$@" tests/test_cluster.py
+fi
 exit "$status"

@@ -2,7 +2,10 @@
 # The test suite against the built wheel, not this checkout: what a user
 # installs is what is tested.
 #
-#   scripts/test-wheel.sh [pytest arguments]     e.g. -m "not slow"
+#   scripts/test-wheel.sh [pytest arguments]     e.g. -k transfer
+#
+# With no arguments, the whole suite in its three runs (scripts/pytest-runs.sh);
+# MARK='not slow' keeps the fast tests only, in the same three runs.
 #
 # The wheel is built from a clone of the committed tree (uncommitted changes
 # are not tested here), installed with its dev extra into a fresh virtualenv,

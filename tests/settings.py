@@ -73,6 +73,16 @@ DATABASES = {
 }
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
+#: Each run's own PREFIX. Under pytest-xdist every worker process adds its name
+#: (gw0, gw1...) once, since they inherit the first process's environment: workers
+#: side by side never share a queue. The subprocesses a test starts inherit the
+#: finished name, or are given a PREFIX of their own, which stays as it is.
+PREFIX = os.environ.setdefault("DEFERRED_TEST_PREFIX", f"deferred-test-{uuid.uuid4().hex[:8]}")
+_xdist_worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+if _xdist_worker and os.environ.get("DEFERRED_TEST_PREFIX_OF") != _xdist_worker:
+    PREFIX = os.environ["DEFERRED_TEST_PREFIX"] = f"{PREFIX}-{_xdist_worker}"
+    os.environ["DEFERRED_TEST_PREFIX_OF"] = _xdist_worker
+
 DEFERRED: dict[str, object] = {
     # Worker subprocesses of the cluster tests get a list of node URLs.
     "BROKER_URL": (
@@ -82,9 +92,7 @@ DEFERRED: dict[str, object] = {
             ","
         )
     ),
-    "PREFIX": os.environ.setdefault(
-        "DEFERRED_TEST_PREFIX", f"deferred-test-{uuid.uuid4().hex[:8]}"
-    ),
+    "PREFIX": PREFIX,
     "QUEUES": ["default", "other"],
     # Worker subprocesses of the poison-job tests run with other values.
     "QUEUE_TYPE": os.environ.get("DEFERRED_TEST_QUEUE_TYPE", "classic"),

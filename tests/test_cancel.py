@@ -122,6 +122,7 @@ def test_a_running_job_that_is_cancelled_finishes_and_is_not_retried(
     assert depth(raw_channel, clean.failed_queue.name) == 0  # nor kept as failed
 
 
+@pytest.mark.alone
 def test_a_cancel_holds_across_a_broker_restart(clean, run_worker, records, broker_url):
     gone = defer(record, 3, records, "gone")
     defer(record, 3, records, "kept")
@@ -350,6 +351,7 @@ def test_while_the_cancels_cannot_be_read_due_jobs_wait_and_are_never_counted_as
     assert depth(raw_channel, own_topology.failed_queue.name) == 0
 
 
+@pytest.mark.alone
 @pytest.mark.parametrize("then", ["readable", "unreadable"])
 def test_a_job_whose_connection_goes_while_it_waits_for_the_cancels_runs_once(
     clean, run_worker, records, monkeypatch, caplog, then

@@ -44,6 +44,7 @@ def duplicates(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if "outcome=duplicate" in r.getMessage()]
 
 
+@pytest.mark.alone
 def test_a_job_running_when_its_connection_drops_runs_once(clean, run_worker, records):
     worker = run_worker(concurrency=2)
     generation = worker.consumer.generation
@@ -135,6 +136,7 @@ def test_a_second_copy_of_a_publish_runs_only_if_the_first_did_not(
     assert both.id in duplicates(caplog)[0]
 
 
+@pytest.mark.alone
 def test_an_idle_connection_the_broker_dropped_is_replaced_before_a_publish(clean, broker_url):
     from deferred.broker import publisher
 

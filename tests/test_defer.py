@@ -255,6 +255,7 @@ def test_threads_each_get_a_connection(clean, raw_channel, records, run_worker):
     assert len({r["label"] for r in read_records(records)}) == 200
 
 
+@pytest.mark.alone
 def test_defer_reopens_a_connection_the_broker_dropped(clean, broker_url):
     # An idle web process finds its connection gone: the next defer() reconnects once.
     defer(record, 0, "/dev/null", "before")
@@ -288,6 +289,7 @@ def test_a_job_for_an_undeclared_queue_is_kept_in_the_failed_queue(clean, broker
     assert Job.decode(body).id == job_id
 
 
+@pytest.mark.alone
 def test_defer_fails_instead_of_hanging_while_the_broker_blocks_publishers(
     clean, broker_url, raw_channel
 ):

@@ -130,6 +130,7 @@ def test_a_job_due_later_is_published_again_at_once_and_runs_once(
     assert lost and kept
 
 
+@pytest.mark.alone
 def test_a_broker_restart_is_repaired_by_the_keeper(own_topology, records, run_worker):
     worker = run_worker(concurrency=4)
     assert wait_for(lambda: worker.keeper is not None and worker.keeper.leading.is_set(), 20)

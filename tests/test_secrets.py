@@ -54,6 +54,7 @@ def run(*args: str) -> str:
     return out.getvalue() + err.getvalue()
 
 
+@pytest.mark.alone
 def test_the_password_is_in_no_output(
     secret_user, run_worker, records, caplog, capsys, django_user_model
 ):

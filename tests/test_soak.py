@@ -98,6 +98,7 @@ def _clean_up(prefix: str, env: dict[str, str]) -> None:
 SHORT_KINDS = tuple(k for k in KINDS if k != "nodekill")
 
 
+@pytest.mark.alone
 @pytest.mark.slow
 def test_a_short_soak_loses_nothing_and_runs_nothing_early(tmp_path, broker_url):
     # Given a minute of 50 jobs/s, delays 0-3 s, and every kind of fault at least once,

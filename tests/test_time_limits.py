@@ -230,6 +230,7 @@ def test_the_retry_of_a_job_past_its_hard_limit_starts_only_once_its_process_end
     assert other.wait(20) == 0
 
 
+@pytest.mark.alone
 def test_a_connection_lost_while_a_given_up_job_waits_ends_the_process_at_once(
     records, worker_process
 ):

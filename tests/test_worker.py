@@ -154,6 +154,7 @@ def test_sigkill_mid_job_redelivers_it(clean, worker_process, records):
     ), read_records(records)
 
 
+@pytest.mark.alone
 def test_worker_reconnects_after_connections_are_closed(clean, run_worker, records):
     worker = run_worker(concurrency=2)
     generation = worker.consumer.generation
@@ -279,6 +280,7 @@ def test_with_a_slot_per_queue_the_busy_queue_takes_every_slot_and_the_idle_one_
     assert at[("other", "ran")] < at[("d3", "end")], read_records(records)
 
 
+@pytest.mark.alone
 def test_pending_jobs_survive_a_broker_restart(clean, run_worker, records):
     # stop_app/start_app: the broker goes away with jobs waiting in delay queues.
     # The delay leaves room for rabbitmqctl itself, which takes seconds to start
@@ -316,6 +318,7 @@ def test_worker_recovers_when_its_ready_queue_is_deleted_and_declared_again(
     assert wait_for(lambda: len(read_records(records)) == 1, 10)
 
 
+@pytest.mark.alone
 def test_the_health_file_is_fresh_while_consuming_and_gone_when_not(
     clean, worker_process, tmp_path
 ):
