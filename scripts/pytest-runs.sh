@@ -3,9 +3,9 @@
 # scripts/rabbitmq-release.sh ... run --) once, or, with WHOLE=1, the whole
 # suite in three runs:
 #   1. every test but the cluster's and those marked "alone", in PARALLEL
-#      processes side by side (pytest-xdist), each test where a process is free,
-#      but the tests of a file marked xdist_group together (they share a node
-#      they start, such as the TLS node);
+#      processes side by side (pytest-xdist), a file to a process (the tests of
+#      a file may share a node they start, such as the TLS node), the files with
+#      the most slow tests first (tests/conftest.py);
 #   2. the tests marked "alone", one after the other: they restart the broker,
 #      close every connection or raise its memory alarm, which the tests beside
 #      them would feel, or hold a timing to a few milliseconds that a busy host
@@ -38,7 +38,7 @@ run() {
     [ "$code" = 5 ] && code=0
     [ "$status" = 0 ] && status=$code
 }
-run "$@" -n "${PARALLEL:-4}" --dist loadgroup --ignore=tests/test_cluster.py -m "$(both "not alone")"
+run "$@" -n "${PARALLEL:-4}" --dist loadfile --ignore=tests/test_cluster.py -m "$(both "not alone")"
 run "$@" --ignore=tests/test_cluster.py -m "$(both alone)"
 if [ -n "$mark" ]; then
     run "$@" tests/test_cluster.py -m "$mark"

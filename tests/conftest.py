@@ -43,6 +43,21 @@ def wait_for(predicate: Callable[[], object], timeout: float, interval: float = 
     return bool(predicate())
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Side by side (pytest-xdist, ``--dist loadfile``), the files that hold the most
+    slow tests come first: files go to the processes in this order, and a long file
+    handed out last would leave the others idle at the end. The order within a file
+    stays as collected."""
+    if getattr(config.option, "dist", "no") != "loadfile":
+        return
+    slow: dict[Path, int] = {}
+    for item in items:
+        if item.get_closest_marker("slow"):
+            slow[item.path] = slow.get(item.path, 0) + 1
+    items.sort(key=lambda item: -slow.get(item.path, 0))
+
+
 @pytest.fixture(scope="session")
 def broker_url() -> str:
     url = get_settings().broker_urls[0]

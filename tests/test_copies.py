@@ -68,6 +68,7 @@ def test_a_job_running_when_its_connection_drops_runs_once(clean, run_worker, re
         assert admin.message_count(clean.ready_queues["default"].name) == 0
 
 
+@pytest.mark.alone  # its task closes every connection of the broker
 def test_a_job_whose_ack_was_lost_is_not_run_again_by_its_worker(
     clean, run_worker, records, caplog
 ):

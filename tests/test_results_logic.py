@@ -557,8 +557,9 @@ def test_a_redelivered_attempt_is_not_cached_and_a_fresh_one_is(settings):
     fresh, again = ran(False), ran(True)
     dropped = Job(id=new_job_id(), task="tests.add", args=(), kwargs={}, due=utcnow(), queue="q")
     recorder.ended(dropped, "cancelled", utcnow())  # never started: cached all the same
-    (batch,) = recorder.cache._batches.values()
-    assert set(batch.records) == {fresh.id, dropped.id} and again.id not in batch.records
+    # One batch per write to the stream: a slow host may split them into two.
+    cached = {job_id for batch in recorder.cache._batches.values() for job_id in batch.records}
+    assert cached == {fresh.id, dropped.id} and again.id not in cached
     assert not recorder._starts
 
 

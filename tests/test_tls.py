@@ -41,9 +41,6 @@ CERTS = (
 #: What the script needs from the suite's environment: the release to run, its folder.
 PASSED_ON = ("HOME", "DEFERRED_RABBITMQ_RELEASE", "DEFERRED_RABBITMQ_RUN_DIR", "DEFERRED_TLS_DIR")
 
-#: The tests share the node they start: one pytest-xdist process runs them all.
-pytestmark = pytest.mark.xdist_group("tls-node")
-
 
 @pytest.fixture(scope="module")
 def tls_node() -> Iterator[Path]:

@@ -49,9 +49,6 @@ RELEASE = ROOT / "scripts" / "rabbitmq-release.sh"
 #: The 4.3 node that `scripts/rabbitmq-release.sh 4.3 start` runs beside the system broker.
 NEW_URL = "amqp://guest:guest@127.0.0.1:5643/%2F"
 
-#: The tests share the node they start: one pytest-xdist process runs them all.
-pytestmark = pytest.mark.xdist_group("new-broker")
-
 
 # --------------------------------------------------------------------------- the new broker
 
