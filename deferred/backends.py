@@ -8,12 +8,12 @@ the same delay topology, on-commit rule and worker as ``defer()``: a task
 enqueued here is a job like any other, so ``run_deferred_worker`` runs both
 kinds from the same queues.
 
-The public face of :mod:`deferred.producer.backend` (enqueueing, results),
+The public face of :mod:`deferred.django_tasks.backend` (enqueueing, results),
 :mod:`deferred.worker.django_tasks` (running) and
-:mod:`deferred.producer.framework` (the framework as this Django has it).
+:mod:`deferred.django_tasks.framework` (the framework as this Django has it).
 """
 
-from deferred.producer.backend import RabbitMQBackend
-from deferred.producer.framework import InvalidTask, InvalidTaskBackend, ReturnValueNotJSON
+from deferred.django_tasks.backend import RabbitMQBackend
+from deferred.django_tasks.framework import InvalidTask, InvalidTaskBackend, ReturnValueNotJSON
 
 __all__ = ["InvalidTask", "InvalidTaskBackend", "RabbitMQBackend", "ReturnValueNotJSON"]

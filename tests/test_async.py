@@ -15,7 +15,7 @@ from django.test import override_settings
 
 from deferred import BrokerUnavailable, adefer, adefer_many, defer, defer_many, testing
 from deferred.conf import get_settings
-from deferred.producer.framework import api as _api
+from deferred.django_tasks.framework import api as _api
 from deferred.records.failures import list_failed
 from tests.conftest import total_waiting, wait_for
 from tests.testapp.framework_tasks import double, note, note_async

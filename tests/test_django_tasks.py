@@ -19,8 +19,8 @@ from deferred.backends import InvalidTask, InvalidTaskBackend, RabbitMQBackend
 from deferred.conf import get_settings
 from deferred.core.jobs import Job, new_job_id
 from deferred.core.topology import plan_topology
-from deferred.producer.framework import api as _api
-from deferred.producer.framework import signals as _signals
+from deferred.django_tasks.framework import api as _api
+from deferred.django_tasks.framework import signals as _signals
 from deferred.producer.publishing import publish
 from deferred.records.failures import list_failed
 from tests.conftest import depth, total_waiting, wait_for
@@ -458,7 +458,7 @@ def test_a_job_naming_a_backend_alias_that_is_not_ours_imports_nothing(clean, ru
 def test_a_django_tasks_release_older_than_0_12_is_refused_by_name():
     from django.core.exceptions import ImproperlyConfigured
 
-    from deferred.producer.framework import check_backport_release as _check_backport_release
+    from deferred.django_tasks.framework import check_backport_release as _check_backport_release
 
     for old in ("0.11.0", "0.9", "0.10.2"):  # SUCCEEDED, not Django 6's SUCCESSFUL
         with pytest.raises(ImproperlyConfigured, match=rf"0\.12 or newer; {re.escape(old)} is"):
@@ -533,7 +533,7 @@ def test_refresh_follows_a_task_from_ready_to_successful(clean, run_worker):
     assert result.last_attempted_at == result.started_at
     assert result.errors == []
     # Another process has none of this memory: get_result() reads the stream alone.
-    from deferred.producer import backend as backends
+    from deferred.django_tasks import backend as backends
 
     backends._enqueued.clear()
     fresh = _api.task_backends["default"].get_result(result.id)
@@ -636,7 +636,7 @@ def test_result_task_read_in_another_process_is_the_task_that_was_enqueued(clean
     assert wait_for(lambda: _succeeded(result), 15), result.status
 
     # When another process (none of this one's memory) reads it
-    from deferred.producer import backend as backends
+    from deferred.django_tasks import backend as backends
 
     backends._enqueued.clear()
     fresh = _api.task_backends["default"].get_result(result.id)

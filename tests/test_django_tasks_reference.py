@@ -36,10 +36,10 @@ from django.utils import timezone
 from deferred.backends import InvalidTask, InvalidTaskBackend, RabbitMQBackend
 from deferred.conf import get_settings
 from deferred.core.jobs import Job, new_job_id
-from deferred.producer import backend as deferred_backends
-from deferred.producer.framework import api as _api
-from deferred.producer.framework import exceptions as _exceptions
-from deferred.producer.framework import signals
+from deferred.django_tasks import backend as deferred_backends
+from deferred.django_tasks.framework import api as _api
+from deferred.django_tasks.framework import exceptions as _exceptions
+from deferred.django_tasks.framework import signals
 from deferred.producer.publishing import publish
 from deferred.records.failures import list_failed
 from tests.conftest import depth, run_python, total_waiting, wait_for
@@ -458,7 +458,7 @@ import asyncio, json, sys
 import django
 
 django.setup()
-from deferred.producer.framework import api as _api
+from deferred.django_tasks.framework import api as _api
 
 backend = _api.task_backends["default"]
 

@@ -17,8 +17,8 @@ from django.test import override_settings
 from deferred import defer
 from deferred.conf import get_settings
 from deferred.core.jobs import made_ms_of, new_job_id
-from deferred.producer.framework import api as _api
-from deferred.producer.framework import exceptions as _exceptions
+from deferred.django_tasks.framework import api as _api
+from deferred.django_tasks.framework import exceptions as _exceptions
 from deferred.records.pending import find
 from tests.conftest import run_python, wait_for
 from tests.testapp.framework_tasks import double
@@ -151,7 +151,7 @@ def test_without_a_ledger_a_task_enqueued_elsewhere_is_missing(clean):
     that did not enqueue it (this one, with its memory of what it enqueued cleared)."""
     from django.conf import settings
 
-    from deferred.producer import backend as backends
+    from deferred.django_tasks import backend as backends
 
     enqueued = double.using(run_after=datetime.now(UTC) + timedelta(hours=1)).enqueue(1)
     backends._enqueued.clear()
@@ -214,7 +214,7 @@ def test_no_ready_from_the_ledger_without_results_or_past_their_retention(clean,
     the task may have run, and must not read READY again."""
     from django.conf import settings
 
-    from deferred.producer import backend as backends
+    from deferred.django_tasks import backend as backends
 
     enqueued = double.enqueue(2)
     backends._enqueued.clear()

@@ -116,7 +116,7 @@ def test_the_publisher_can_defer_and_cancel_and_nothing_else(users, own_topology
         assert deferred.result(defer(record, 0, "/tmp/never", "now")).state == "pending"
         # And a django.tasks task not started yet, enqueued elsewhere: from the ledger,
         # its marker through the ingest exchange too.
-        from deferred.producer import backend as backends
+        from deferred.django_tasks import backend as backends
 
         enqueued = double.enqueue(3)
         backends._enqueued.clear()

@@ -23,7 +23,7 @@ from deferred.conf import get_settings
 from deferred.core import signing
 from deferred.core.jobs import new_job_id, utcnow
 from deferred.core.topology import plan_topology
-from deferred.producer.framework import api as _api
+from deferred.django_tasks.framework import api as _api
 from deferred.records.failures import list_failed, redrive
 from deferred.records.results import RESULT_ROUTING_KEY, encode
 from tests.conftest import wait_for

@@ -20,8 +20,8 @@ from deferred.core.limits import Watch, run_async
 from deferred.core.retries import (
     RetryPolicy,
 )
-from deferred.producer.backend import RabbitMQBackend, find_task
-from deferred.producer.framework import (
+from deferred.django_tasks.backend import RabbitMQBackend, find_task
+from deferred.django_tasks.framework import (
     ReturnValueNotJSON,
     TaskContext,
     TaskError,
@@ -173,5 +173,5 @@ def _earlier_attempts(job: Job) -> tuple[datetime | None, list[Any]]:
 
 def resolve_django_task(job: Job) -> DjangoTask:
     """The django.tasks task a job names, ready to run; ``UnknownTask`` if it cannot be
-    run here (see :func:`deferred.producer.backend.find_task`)."""
+    run here (see :func:`deferred.django_tasks.backend.find_task`)."""
     return DjangoTask(*find_task(job))

@@ -41,8 +41,7 @@ from deferred.core.retries import (
     Backoff,
     RetryPolicy,
 )
-from deferred.producer.asynchronous import asubmit
-from deferred.producer.framework import (
+from deferred.django_tasks.framework import (
     DEFAULT_TASK_QUEUE_NAME,
     BaseTaskBackend,
     FrameworkTask,
@@ -57,6 +56,7 @@ from deferred.producer.framework import (
     normalize_json,
     send,
 )
+from deferred.producer.asynchronous import asubmit
 from deferred.producer.publishing import submit
 from deferred.producer.tasks import SETTING, UnknownTask, check_call
 from deferred.records import pending

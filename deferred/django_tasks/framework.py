@@ -2,7 +2,7 @@
 the ``django-tasks`` backport (Django 5.2), and what both sides of the backend
 share of it.
 
-The producer side (:mod:`deferred.producer.backend`, enqueueing) and the worker
+The producer side (:mod:`deferred.django_tasks.backend`, enqueueing) and the worker
 side (:mod:`deferred.worker.django_tasks`, running) both send the framework's
 signals, finish its ``TaskResult`` and know :class:`ReturnValueNotJSON`;
 they find them here, whichever package provides the framework.
