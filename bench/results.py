@@ -150,7 +150,7 @@ def _properties(headers: dict[str, Any]) -> pika.BasicProperties:
 def _pool(sign: Sign, rng: random.Random) -> dict[int, list[tuple[bytes, Any]]]:
     """Signed stream messages of each batch size, other jobs' records in each."""
     from deferred.core.jobs import new_job_id
-    from deferred.records.results import encode
+    from deferred.records.result_format import encode
 
     now = time.time()
     pool: dict[int, list[tuple[bytes, Any]]] = {}
@@ -306,7 +306,7 @@ class Trickle:
     def __init__(self, urls: Sequence[str], exchange: str, sign: Sign, rate: float = LOAD_RATE):
         from deferred.broker import ResultWriter
         from deferred.core.topology import RESULT_ROUTING_KEY
-        from deferred.records.results import encode
+        from deferred.records.result_format import encode
 
         def encoded(records: list[Any]) -> tuple[bytes, dict[str, Any]]:
             body = encode(records)
@@ -678,7 +678,7 @@ def lookups_main(argv: list[str]) -> int:
     from deferred import result
     from deferred.conf import get_settings
     from deferred.core.topology import plan_topology
-    from deferred.records.results import CLOCK_SLACK_S
+    from deferred.records.result_format import CLOCK_SLACK_S
 
     settings = get_settings()
     stream = plan_topology(settings).results_queue.name
@@ -1006,7 +1006,7 @@ def part_day(args: argparse.Namespace) -> dict[str, Any]:
     from deferred import result
     from deferred.conf import get_settings
     from deferred.core.jobs import due_of
-    from deferred.records.results import CLOCK_SLACK_S
+    from deferred.records.result_format import CLOCK_SLACK_S
 
     out: dict[str, Any] = {"raw": raw_limits(args.raw)}
     base = _data_dir()

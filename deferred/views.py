@@ -30,6 +30,7 @@ from deferred.broker import BrokerError
 from deferred.conf import get_settings
 from deferred.operate import status
 from deferred.records import cancels, failures, results
+from deferred.records.result_format import SUCCEEDED
 from deferred.worker.metrics import MetricsError
 
 #: The chart's drawing area, in SVG user units.
@@ -119,7 +120,7 @@ def _looked_up(request: HttpRequest) -> dict[str, Any]:
     except BrokerError as exc:
         return {"lookup_id": job_id, "lookup_error": f"The results cannot be read: {exc}"}
     value = None
-    if found.state == results.SUCCEEDED and found.value_kept:
+    if found.state == SUCCEEDED and found.value_kept:
         value = json.dumps(found.value, indent=2, sort_keys=True)
     return {"lookup_id": job_id, "lookup": found, "lookup_value": value}
 

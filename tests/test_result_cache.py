@@ -19,7 +19,8 @@ import deferred
 from deferred import cancel, defer
 from deferred.conf import get_settings
 from deferred.core import signing
-from deferred.records import result_cache, results
+from deferred.records import result_cache
+from deferred.records import result_format as results
 from tests.conftest import wait_for
 from tests.testapp.tasks import add, always_fails, flaky, record, sleepy
 

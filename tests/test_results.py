@@ -22,10 +22,10 @@ from deferred.broker import results as broker_results
 from deferred.conf import get_settings
 from deferred.core import signing
 from deferred.core.jobs import new_job_id, utcnow
-from deferred.core.topology import plan_topology
+from deferred.core.topology import RESULT_ROUTING_KEY, plan_topology
 from deferred.django_tasks.framework import api as _api
 from deferred.records.failures import list_failed, redrive
-from deferred.records.results import RESULT_ROUTING_KEY, encode
+from deferred.records.result_format import encode
 from tests.conftest import wait_for
 from tests.testapp.tasks import (
     add,

@@ -17,20 +17,18 @@ from deferred.core.jobs import Job, new_job_id
 from deferred.core.topology import build_plan
 from deferred.operate import permissions
 from deferred.producer.tasks import task
-from deferred.records.results import (
+from deferred.records.recording import _with_run
+from deferred.records.result_format import (
     CLOCK_SLACK_S,
-    Result,
-    _id_ms,
-    _since,
-    _with_run,
     decode,
     encode,
     encode_marker,
     error_of,
-    fold,
     marker_of,
     value_record,
 )
+from deferred.records.result_format import id_ms as _id_ms
+from deferred.records.results import Result, _since, fold
 
 KEYS = ("k1",)
 JOB = new_job_id(datetime(2026, 1, 1, tzinfo=UTC))
@@ -286,7 +284,7 @@ def test_task_result_option():
 
 
 def test_a_django_tasks_jobs_records_carry_its_call():
-    from deferred.records.results import _with_call
+    from deferred.records.recording import _with_call
 
     job = Job(id=JOB, task="app.tasks.f", args=(1,), kwargs={}, due=datetime.now(UTC), queue="q")
     assert "b" not in _with_call({}, job)
@@ -464,7 +462,7 @@ def test_a_writer_behind_the_jobs_makes_them_wait_for_room_then_gives_their_reco
 
 
 def test_only_a_first_attempts_lasting_end_is_cacheable():
-    from deferred.records.results import cacheable
+    from deferred.records.recording import cacheable
 
     assert cacheable({"ev": "succeeded", "a": 1})
     assert cacheable({"ev": "cancelled"})  # dropped before it started
@@ -541,7 +539,7 @@ def test_a_cache_that_hangs_holds_up_nothing_and_drops_what_has_no_room(settings
 
 def test_a_redelivered_attempt_is_not_cached_and_a_fresh_one_is(settings):
     from deferred.core.jobs import utcnow
-    from deferred.records.results import Recorder
+    from deferred.records.recording import Recorder
 
     settings.CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}
     settings.DEFERRED = {**settings.DEFERRED, "RESULT_CACHE": "default"}

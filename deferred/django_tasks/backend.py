@@ -60,15 +60,8 @@ from deferred.producer.asynchronous import asubmit
 from deferred.producer.publishing import submit
 from deferred.producer.tasks import SETTING, UnknownTask, check_call
 from deferred.records import pending
-from deferred.records.results import (
-    CANCELLED,
-    FAILED,
-    PENDING,
-    RUNNING,
-    SUCCEEDED,
-    Result,
-    result,
-)
+from deferred.records.result_format import CANCELLED, FAILED, PENDING, RUNNING, SUCCEEDED
+from deferred.records.results import Result, result
 
 logger = logging.getLogger("deferred.backends")
 

@@ -35,7 +35,7 @@ from deferred.core.retries import RETRIES_EXHAUSTED as RETRIES_EXHAUSTED
 from deferred.core.retries import TASK_ERROR as TASK_ERROR
 from deferred.core.topology import plan_topology
 from deferred.producer.publishing import publish
-from deferred.records.results import record_redrive
+from deferred.records.recording import record_redrive
 
 # Why a job is in the failed queue: TASK_ERROR and RETRIES_EXHAUSTED (decided by
 # the retry policy), UNDECODABLE and INVALID (by the job format), TOO_LARGE and

@@ -38,7 +38,7 @@ from deferred.core import signing
 from deferred.core.jobs import BrokenMessage, Job, made_ms_of
 from deferred.core.ledger import CARRY_EVERY_S, READ_TIMEOUT_S
 from deferred.core.topology import LEDGER_KEEP_MS, LEDGER_ROUTING_KEY, plan_topology
-from deferred.records.results import CLOCK_SLACK_S, encode_marker, marker_of
+from deferred.records.result_format import CLOCK_SLACK_S, encode_marker, marker_of
 
 #: The messages the broker may send ahead of the acks: a read that must go on
 #: past its job's place (a commit long after the job was made) reads many.

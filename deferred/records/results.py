@@ -74,67 +74,35 @@ with ``DEFERRED['RESULTS'] = False``: then nothing is written.
 from __future__ import annotations
 
 import json
-import math
-import threading
-import traceback
-import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from functools import lru_cache
 from typing import Any
 
 from deferred import broker
 from deferred.broker.results import ReadEnd
 from deferred.conf import DeferredSettings, get_settings
-from deferred.core import signing
-from deferred.core.jobs import Job, due_ms_of, due_of, utcnow
+from deferred.core.jobs import due_of, utcnow
 from deferred.core.topology import RESULT_ROUTING_KEY, plan_topology
 from deferred.records import result_cache
-
-FORMAT_VERSION = 1
-#: How far before a job's due time the reader starts. A worker starts an attempt
-#: once its own clock reaches the due time (the instant the id carries; the
-#: deferring host's clock does not enter into it), and the stream stamps the
-#: record with the broker's clock. A worker whose clock runs ahead of the
-#: broker's by ``d`` writes a record stamped up to ``d`` before the due time; the
-#: slack covers ``d`` up to this much. A worker clock behind the broker's only
-#: stamps records later, which costs nothing ("never early" asks clocks to
-#: agree anyway). Every message stamped within the slack is read before the job's
-#: own: at 100 jobs/s, 2 s of slack was about 160 messages and most of a look-up's
-#: time, so the slack is what NTP-kept clocks need, with a wide margin.
-CLOCK_SLACK_S = 0.25
-#: A job shows "running" once it has run this long: the "started" record of an
-#: attempt that ends sooner is folded into its final one (one record per job).
-STARTED_AFTER_S = 0.2
-#: The longest traceback kept with an error.
-MAX_TRACEBACK_CHARS = 8000
-#: The longest error message kept.
-MAX_MESSAGE_CHARS = 2000
-
-#: The states of a result.
-PENDING, RUNNING, SUCCEEDED, FAILED, CANCELLED = (
-    "pending",
-    "running",
-    "succeeded",
-    "failed",
-    "cancelled",
+from deferred.records.result_format import (
+    CANCELLED,
+    CLOCK_SLACK_S,
+    FAILED,
+    FINAL_EVENTS,
+    LAST_EVENTS,
+    PENDING,
+    STATE_OF,
+    SUCCEEDED,
+    decode,
+    encode_marker,
+    id_marker,
+    id_ms,
+    iso,
+    marker_of,
+    moment,
 )
-#: Record events that end a run of a job.
-FINAL_EVENTS = frozenset({"succeeded", "failed", "cancelled", "superseded", "dropped"})
-#: Final events no later run can follow, so the reader stops at one. A "failed" job
-#: is in the failed list, and a re-drive runs it again under the same id: after
-#: one, the reader reads on to the end of the stream.
-LAST_EVENTS = FINAL_EVENTS - {"failed"}
-_STATE_OF = {
-    "started": RUNNING,
-    "retrying": PENDING,
-    "succeeded": SUCCEEDED,
-    "failed": FAILED,
-    "dropped": FAILED,
-    "cancelled": CANCELLED,
-    "superseded": CANCELLED,
-}
 
 
 class JobCancelled(Exception):
@@ -217,9 +185,9 @@ class Result:
             "outcome": self.outcome,
             "task": self.task,
             "attempts": self.attempts,
-            "started_at": _iso(self.started_at),
-            "last_attempted_at": _iso(self.last_attempted_at),
-            "finished_at": _iso(self.finished_at),
+            "started_at": iso(self.started_at),
+            "last_attempted_at": iso(self.last_attempted_at),
+            "finished_at": iso(self.finished_at),
             "worker": self.worker,
             "workers": list(self.workers),
             "value": self.value,
@@ -304,7 +272,7 @@ def _read(
     it reached a record no later one can change, or the end of the stream."""
     found: list[dict[str, Any]] = []
     keys = settings.signing_keys if settings.signing else None
-    marker = _id_marker(job_id)
+    marker = id_marker(job_id)
 
     def on_message(body: bytes, headers: dict[str, Any]) -> bool:
         # Cheap first: most messages hold other jobs' records only.
@@ -394,11 +362,11 @@ def fold(job_id: str, records: Iterable[dict[str, Any]]) -> Result:
     errors: list[ResultError] = []
     value, kept = None, True
     extra: dict[str, Any] = {}
-    first_run = _id_ms(job_id)
+    first_run = id_ms(job_id)
     current: int | None = None
     for record in records:
         event = record.get("ev")
-        if event not in _STATE_OF or record.get("id") != job_id:
+        if event not in STATE_OF or record.get("id") != job_id:
             continue
         run = _run_of(record, first_run)
         if current is not None and run < current:
@@ -412,7 +380,7 @@ def fold(job_id: str, records: Iterable[dict[str, Any]]) -> Result:
         elif outcome in FINAL_EVENTS:
             continue  # a duplicate run after the end (at least once): the first end stands
         current = run
-        at = _moment(record.get("at"))
+        at = moment(record.get("at"))
         task = record.get("task", task)
         attempt = record.get("a")
         if isinstance(attempt, int):
@@ -422,14 +390,14 @@ def fold(job_id: str, records: Iterable[dict[str, Any]]) -> Result:
                 "backend": record["b"],
                 "args": tuple(record.get("args") or ()),
                 "kwargs": dict(record.get("kwargs") or {}),
-                "enqueued_at": _moment(record.get("c")),
+                "enqueued_at": moment(record.get("c")),
                 "queue": record.get("q") if isinstance(record.get("q"), str) else None,
                 "priority": record.get("p") if type(record.get("p")) is int else None,
-                "run_after": _moment(record.get("ra")),
+                "run_after": moment(record.get("ra")),
             }
         # A final record of an attempt that ended within STARTED_AFTER_S carries
         # its start ("st", "w"): that attempt had no "started" record of its own.
-        start = at if event == "started" else _moment(record.get("st"))
+        start = at if event == "started" else moment(record.get("st"))
         if start is not None:
             started_at = started_at or start
             last_at = start
@@ -447,7 +415,7 @@ def fold(job_id: str, records: Iterable[dict[str, Any]]) -> Result:
             if event == "succeeded":
                 kept = bool(record.get("kept", True))
                 value = record.get("value") if kept else None
-        state, outcome = _STATE_OF[event], event
+        state, outcome = STATE_OF[event], event
     return Result(
         id=job_id,
         state=state,
@@ -464,12 +432,6 @@ def fold(job_id: str, records: Iterable[dict[str, Any]]) -> Result:
         reason=reason,
         **extra,
     )
-
-
-def _id_ms(job_id: str) -> int:
-    """The due time ``job_id`` carries, in ms (0 for what is not a job id): its first
-    48 bits, as :func:`deferred.core.jobs.new_job_id` lays them out."""
-    return due_ms_of(job_id) or 0
 
 
 def _run_of(record: dict[str, Any], first_run: int) -> int:
@@ -490,8 +452,8 @@ def render_text(found: Result) -> str:
     rows = [
         ("task", found.task),
         ("attempts", found.attempts or None),
-        ("started", _iso(found.started_at)),
-        ("finished", _iso(found.finished_at)),
+        ("started", iso(found.started_at)),
+        ("finished", iso(found.finished_at)),
         ("worker", found.worker),
         ("reason", found.reason),
     ]
@@ -505,304 +467,3 @@ def render_text(found: Result) -> str:
 
 
 # ---------------------------------------------------------------------- the records
-
-
-def encode(records: list[dict[str, Any]]) -> bytes:
-    return json.dumps({"v": FORMAT_VERSION, "r": records}, separators=(",", ":")).encode()
-
-
-def decode(
-    body: bytes, headers: dict[str, Any] | None, keys: tuple[str | bytes, ...] | None
-) -> list[dict[str, Any]]:
-    """The records of one stream message; none if it is not one, or (``keys`` given)
-    its signature does not match: a forged record is never read."""
-    if keys is not None:
-        try:
-            signing.verify(body, headers, keys)
-        except signing.BadSignature:
-            return []
-    try:
-        data = json.loads(body)
-    except ValueError:
-        return []
-    if not isinstance(data, dict) or data.get("v") != FORMAT_VERSION:
-        return []
-    records = data.get("r")
-    if not isinstance(records, list):
-        return []
-    return [r for r in records if isinstance(r, dict)]
-
-
-def encode_marker(token: str) -> bytes:
-    return json.dumps({"v": FORMAT_VERSION, "marker": token}).encode()
-
-
-def marker_of(body: bytes) -> str | None:
-    if b'"marker"' not in body:
-        return None
-    try:
-        data = json.loads(body)
-    except ValueError:
-        return None
-    token = data.get("marker") if isinstance(data, dict) else None
-    return token if isinstance(token, str) else None
-
-
-def _id_marker(job_id: str) -> bytes:
-    return json.dumps(job_id).encode()
-
-
-def _iso(moment: datetime | None) -> str | None:
-    return None if moment is None else moment.isoformat()
-
-
-def _moment(value: Any) -> datetime | None:
-    if isinstance(value, int | float):
-        return datetime.fromtimestamp(value, UTC)
-    if isinstance(value, str):
-        try:
-            moment = datetime.fromisoformat(value)
-        except ValueError:
-            return None
-        return moment if moment.tzinfo is not None else None
-    return None
-
-
-def error_of(error: BaseException) -> dict[str, str]:
-    """An exception as a record carries it: class path, message, traceback (cut)."""
-    kind = type(error)
-    try:
-        message = str(error)
-    except Exception:  # noqa: BLE001 - a broken __str__ must not lose the outcome
-        message = f"<{kind.__name__} whose message cannot be printed>"
-    try:
-        tb = "".join(traceback.format_exception(error))
-    except Exception:  # noqa: BLE001
-        tb = ""
-    return {
-        "type": f"{kind.__module__}.{kind.__qualname__}",
-        "msg": message[:MAX_MESSAGE_CHARS],
-        "tb": tb[-MAX_TRACEBACK_CHARS:],
-    }
-
-
-def value_record(value: Any, max_bytes: int) -> dict[str, Any]:
-    """``{"value": v}`` if JSON carries ``value`` in ``max_bytes``, else ``{"kept": False}``."""
-    if value is None and max_bytes >= 4:  # most tasks return nothing: "null", at no cost
-        return {"value": None}
-    try:
-        text = json.dumps(value, separators=(",", ":"))
-    except (TypeError, ValueError):
-        return {"kept": False}
-    if len(text.encode()) > max_bytes:
-        return {"kept": False}
-    return {"value": json.loads(text)}
-
-
-# ---------------------------------------------------------------------- writing
-
-
-#: The most attempts whose "started" record a worker keeps for the cache: far more
-#: than run at once; past it, the oldest (an attempt that never ended) goes.
-MAX_STARTS = 10_000
-
-
-class Recorder:
-    """The worker's side: turns what happens to a job into records for the writer."""
-
-    def __init__(self, settings: DeferredSettings, worker_id: str) -> None:
-        self.settings = settings
-        self.worker_id = worker_id
-        plan = plan_topology(settings)
-        keys = settings.signing_keys
-        self.writer = broker.ResultWriter(
-            settings.broker_urls,
-            plan.ingest_exchange,
-            RESULT_ROUTING_KEY,
-            lambda records: _signed(encode(records), keys),
-            timeout=settings.publish_timeout_s,
-        )
-        self._started = False
-        self._lock = threading.Lock()
-        #: Puts finished results in ``RESULT_CACHE`` too, if one is set.
-        self.cache = (
-            None
-            if settings.result_cache is None
-            else result_cache.CachePutter(
-                settings, settings.result_cache, lambda records: _signed(encode(records), keys)
-            )
-        )
-        #: With a cache: the "started" record of each attempt running, which the
-        #: cache entry needs even once it went out on its own (``None``: a
-        #: redelivered attempt, which is not cached).
-        self._starts: dict[str, dict[str, Any] | None] = {}
-
-    def start(self) -> None:
-        with self._lock:
-            if not self._started:
-                self.writer.start()
-                self._started = True
-
-    def stop(self) -> None:
-        self.writer.stop()
-        if self.cache is not None:
-            self.cache.stop()
-
-    def started(self, job: Job, at: datetime, *, redelivered: bool = False) -> None:
-        """An attempt starts: its "started" record goes out ``STARTED_AFTER_S`` from now,
-        unless the attempt ended first and :meth:`ended` folded it into its own.
-
-        ``redelivered``: the broker delivered this message before, so another
-        worker may be running the same attempt (its connection lost): the stream
-        keeps the first end of the two, which no single worker knows, so neither
-        goes in the cache."""
-        record: dict[str, Any] = {
-            "id": job.id,
-            "ev": "started",
-            "at": at.timestamp(),
-            "a": job.attempt,
-            "w": self.worker_id,
-            "task": job.task,
-        }
-        _with_run(record, job)
-        _with_call(record, job)
-        if self.cache is not None:
-            if len(self._starts) >= MAX_STARTS:  # attempts that never ended (a lost broker)
-                self._starts.pop(next(iter(self._starts)), None)
-            self._starts[_attempt_key(job)] = None if redelivered else record
-        self.writer.delay(_attempt_key(job), record, STARTED_AFTER_S)
-
-    def ended(
-        self,
-        job: Job,
-        event: str,
-        at: datetime,
-        *,
-        value: Any = None,
-        error: BaseException | None = None,
-        reason: str | None = None,
-    ) -> broker.Written:
-        """An attempt ended (or the job was dropped): its record goes out in the
-        returned message, within ``LINGER_S``. The worker acks the job without
-        waiting for it (see the module's docstring)."""
-        record: dict[str, Any] = {
-            "id": job.id,
-            "ev": event,
-            "at": at.timestamp(),
-            "a": job.attempt,
-            "task": job.task,
-        }
-        _with_run(record, job)
-        start = self.writer.take(_attempt_key(job))
-        if start is not None:  # ended before its "started" record went out: one record
-            record.update(st=start["at"], w=start["w"])
-        if event == "succeeded":
-            record.update(value_record(value, self.settings.result_max_bytes))
-        if error is not None:
-            record["err"] = error_of(error)
-        if reason is not None:
-            record["reason"] = reason
-        written = self.writer.write(_with_call(record, job))
-        if self.cache is not None:
-            self._to_cache(self.cache, written, job, record, folded=start is not None)
-        return written
-
-    def _to_cache(
-        self,
-        cache: result_cache.CachePutter,
-        written: broker.Written,
-        job: Job,
-        record: dict[str, Any],
-        *,
-        folded: bool,
-    ) -> None:
-        """Hand the cache the records of an attempt that just ended, if it may hold them
-        (``folded``: its start went out in ``record``, not in a record of its own)."""
-        key = _attempt_key(job)
-        started = None
-        if key in self._starts:
-            started = self._starts.pop(key)
-            if started is None:  # a redelivery (see started())
-                return
-        # else it never started: dropped as cancelled or superseded
-        if not cacheable(record):
-            return
-        cache.add(written, job.id, [record] if folded or started is None else [started, record])
-
-
-def record_redrive(settings: DeferredSettings, job: Job) -> None:
-    """Write that ``job`` was re-driven from the failed list (``job``: as re-published,
-    a fresh first attempt of a new run), so that it reads ``pending`` (``retrying``)
-    at once instead of ``failed`` until its new run starts. Nothing when results
-    are off for it. ``BrokerError`` if the record cannot be written: the caller
-    re-drives the job all the same, and its new run's records say as much later.
-    """
-    if not settings.results or not keeps_result(job):
-        return
-    record: dict[str, Any] = {
-        "id": job.id,
-        "ev": "retrying",
-        "at": utcnow().timestamp(),
-        "task": job.task,
-    }
-    _with_run(record, job)
-    body, headers = _signed(encode([_with_call(record, job)]), settings.signing_keys)
-    plan = plan_topology(settings)
-    broker.publisher_for(settings).publish(
-        plan.ingest_exchange, RESULT_ROUTING_KEY, body, message_id=uuid.uuid4().hex, headers=headers
-    )
-
-
-def cacheable(record: dict[str, Any]) -> bool:
-    """Whether ``record`` (a final record) ends a job whose worker wrote every record
-    of it, for ``RESULT_CACHE``: the first attempt of the first run, ended with an
-    event no later record changes (:data:`LAST_EVENTS`)."""
-    return record.get("ev") in LAST_EVENTS and record.get("a") in (1, None) and "run" not in record
-
-
-def keeps_result(job: Job) -> bool:
-    """Whether ``job``'s results are written: not for ``@task(result=False)``."""
-    from deferred.producer.tasks import UnknownTask, get_task
-
-    if job.backend is not None:
-        return True
-    try:
-        return get_task(job.task).result
-    except UnknownTask:
-        return True
-
-
-def _attempt_key(job: Job) -> str:
-    return f"{job.id}/{job.attempt}"
-
-
-def _with_run(record: dict[str, Any], job: Job) -> None:
-    """A re-driven job's records carry its run: its first due time, in ms, which a
-    re-drive sets anew (``deferred.records.failures.redrive``) while retries and
-    duplicate deliveries keep it. A first run's equals the id's, and is left out."""
-    run = math.floor(job.first_due.timestamp() * 1000)
-    if run != _id_ms(job.id):
-        record["run"] = run
-
-
-def _with_call(record: dict[str, Any], job: Job) -> dict[str, Any]:
-    """A django.tasks job's records carry its call: the framework's ``TaskResult``
-    has its arguments and enqueue time, and ``get_result()`` rebuilds one from any
-    record (a job cancelled before it started has no "started" one)."""
-    if job.backend is not None:
-        record.update(
-            b=job.backend,
-            args=list(job.args),
-            kwargs=job.kwargs,
-            c=job.created.isoformat(),
-            q=job.queue,
-            p=job.priority,
-        )
-        first_due = due_of(job.id)
-        if first_due is not None and first_due > job.created:
-            record["ra"] = first_due.isoformat()  # enqueued with a run_after
-    return record
-
-
-def _signed(body: bytes, keys: tuple[str | bytes, ...]) -> tuple[bytes, dict[str, Any]]:
-    return body, signing.sign(body, keys)

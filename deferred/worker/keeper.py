@@ -508,7 +508,7 @@ class Keeper:
         tells by the job's results, so not for a job that keeps none (``RESULTS``
         off, ``@task(result=False)``), which would run twice after every restart."""
         from deferred.core.jobs import Job
-        from deferred.records.results import keeps_result
+        from deferred.records.recording import keeps_result
 
         return self.settings.results and keeps_result(Job.decode(entry.body))
 
