@@ -26,7 +26,8 @@ from bench.tasks import noop
 from deferred import cancel, cancel_many, defer
 from deferred.conf import get_settings
 from deferred.core.jobs import new_job_id, utcnow
-from deferred.records.cancels import CancelWatch, decode, marker_of
+from deferred.records.cancels import decode, marker_of
+from deferred.worker.cancel_watch import CancelWatch
 
 READ = re.compile(r"Read the cancels: (\d+) in force \(([\d.]+) s\)")
 

@@ -73,12 +73,12 @@ from deferred.core.topology import Plan
 from deferred.producer.publishing import publish
 from deferred.producer.tasks import UnknownTask, get_task
 from deferred.records import failures
-from deferred.records.cancels import CancelWatch
 from deferred.records.recording import Recorder, keeps_result
 from deferred.records.result_format import CANCELLED as CANCELLED_STATE
 from deferred.records.result_format import FAILED, SUCCEEDED
 from deferred.records.results import lookup as read_result
 from deferred.records.runs import Claim, End, RecentRuns
+from deferred.worker.cancel_watch import CancelWatch
 from deferred.worker.metrics import UNKNOWN as UNKNOWN_TASK_LABEL
 from deferred.worker.runnable import Runnable, resolve
 

@@ -69,9 +69,10 @@ from deferred.core.outcomes import Observers, Outcome
 from deferred.core.priorities import DEFAULT_LEVEL, top_of
 from deferred.core.topology import Plan, plan_topology
 from deferred.producer.publishing import note_verified
-from deferred.records.cancels import CancelWatch, cancel_route_missing
+from deferred.records.cancels import cancel_route_missing
 from deferred.records.recording import Recorder
 from deferred.records.runs import End, RecentRuns
+from deferred.worker.cancel_watch import CancelWatch
 from deferred.worker.exits import WorkerExit
 from deferred.worker.health import HealthFile
 from deferred.worker.holding import Held, Holder
