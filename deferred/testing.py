@@ -178,7 +178,8 @@ def fire_schedule(task: Task[..., Any] | str, after: datetime | None = None) -> 
     from deferred.conf import get_settings
     from deferred.core.jobs import utcnow
     from deferred.core.schedule import occurrence_id
-    from deferred.worker.scheduler import Occurrence, occurrence_job, scheduled_tasks
+    from deferred.records.schedules import scheduled_tasks
+    from deferred.worker.scheduler import Occurrence, occurrence_job
 
     settings = get_settings()
     name = task if isinstance(task, str) else task.name

@@ -17,7 +17,7 @@ from deferred.conf import get_settings
 from deferred.core import signing
 from deferred.core.jobs import utcnow
 from deferred.core.schedule import every
-from deferred.worker.scheduler import Entry, Records, overview
+from deferred.records.schedules import Entry, Records, overview
 from tests.conftest import total_waiting, wait_for
 
 
@@ -99,7 +99,8 @@ def test_a_record_held_by_the_leaders_tick_is_read_once_it_is_back(paused_record
 def test_a_new_leader_whose_first_read_meets_a_reader_keeps_the_pause_and_plans_nothing(
     paused_record, own_topology, broker_url, raw_channel
 ):
-    from deferred.worker.scheduler import Scheduler, read
+    from deferred.records.schedules import read
+    from deferred.worker.scheduler import Scheduler
 
     # Given the record says "paused" and a worker just took the lease
     queue = paused_record

@@ -5,7 +5,8 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 
 from deferred.core.schedule import every, occurrence_id
-from deferred.worker.scheduler import Command, Entry, Records, plan, read
+from deferred.records.schedules import Command, Entry, Records, read
+from deferred.worker.scheduler import plan
 
 T0 = datetime(2026, 1, 1, 12, 0, 0, 300000, tzinfo=UTC)
 SECOND = timedelta(seconds=1)

@@ -309,7 +309,7 @@ def test_a_forged_pause_command_is_ignored(own_topology, worker_process, tmp_pat
     import pika
 
     from deferred.core.jobs import utcnow
-    from deferred.worker.scheduler import Command
+    from deferred.records.schedules import Command
 
     ticks = tmp_path / "ticks.jsonl"
     worker = worker_process(env=worker_env(own_topology, ticks))

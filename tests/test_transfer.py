@@ -40,8 +40,8 @@ from deferred.core.topology import Plan, plan_topology
 from deferred.operate.transfer import Transfer
 from deferred.operate.transfer_plan import staging_plan
 from deferred.records import failures
+from deferred.records.schedules import Command, Entry, Records
 from deferred.worker import Worker
-from deferred.worker.scheduler import Command, Entry, Records
 from tests.conftest import ROOT, signed, wait_for
 from tests.testapp.tasks import read_records, timed
 

@@ -36,7 +36,7 @@ from deferred.conf import DeferredSettings
 from deferred.core.topology import Plan, Queue, plan_topology, recorded_plan
 from deferred.records.cancels import read_cancels
 from deferred.records.failures import FailedJob, parse_failed
-from deferred.worker.scheduler import Overview, read_overview, scheduled_tasks
+from deferred.records.schedules import Overview, read_overview, scheduled_tasks
 
 #: The chart's buckets: (label, the longest wait that falls in it, in ms).
 #: ``None`` is "longer than all of the above".

@@ -100,9 +100,9 @@ from deferred.operate.transfer_plan import (
 )
 from deferred.records import cancels
 from deferred.records.failures import REASON_HEADER, parse_failed
-from deferred.worker.scheduler import PEEK_ATTEMPTS, PEEK_RETRY_S, signed_bodies
-from deferred.worker.scheduler import Records as ScheduleRecords
-from deferred.worker.scheduler import read as read_schedules
+from deferred.records.schedules import PEEK_ATTEMPTS, PEEK_RETRY_S, signed_bodies
+from deferred.records.schedules import Records as ScheduleRecords
+from deferred.records.schedules import read as read_schedules
 
 logger = logging.getLogger("deferred.transfer")
 

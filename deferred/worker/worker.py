@@ -72,6 +72,7 @@ from deferred.producer.publishing import note_verified
 from deferred.records.cancels import cancel_route_missing
 from deferred.records.recording import Recorder
 from deferred.records.runs import End, RecentRuns
+from deferred.records.schedules import scheduled_tasks
 from deferred.worker.cancel_watch import CancelWatch
 from deferred.worker.exits import WorkerExit
 from deferred.worker.health import HealthFile
@@ -81,7 +82,7 @@ from deferred.worker.metrics import WorkerMetrics
 from deferred.worker.pipeline import Abandoned, Hold, Joined, Pipeline, Released, Running
 from deferred.worker.pool import Pool
 from deferred.worker.recycling import Recycling
-from deferred.worker.scheduler import Scheduler, scheduled_tasks
+from deferred.worker.scheduler import Scheduler
 
 logger = logging.getLogger("deferred.worker")
 

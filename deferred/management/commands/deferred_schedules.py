@@ -10,7 +10,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from deferred.broker import BrokerError
 from deferred.management.arguments import command_settings
-from deferred.worker import scheduler
+from deferred.records import schedules as scheduler
 
 
 def _when(value: datetime | None) -> str:
