@@ -28,7 +28,7 @@ from django.views.decorators.http import require_GET, require_POST
 
 from deferred.broker import BrokerError
 from deferred.conf import get_settings
-from deferred.operate import status
+from deferred.operate import status, status_text
 from deferred.records import cancels, failures, results
 from deferred.records.result_format import SUCCEEDED
 from deferred.worker.metrics import MetricsError
@@ -90,14 +90,14 @@ def status_page(request: HttpRequest) -> HttpResponse:
                 "jobs": level.jobs,
                 "due_within": None
                 if level.longest_wait_ms is None
-                else status.format_duration(level.longest_wait_ms),
+                else status_text.format_duration(level.longest_wait_ms),
             }
             for level in snapshot.topologies[0].levels
         ],
         old_topologies=snapshot.topologies[1:],
         consumers=sum(q.consumers or 0 for q in snapshot.queues),
         cluster_nodes=_cluster_nodes(snapshot),
-        result_ttl=status.format_duration(snapshot.result_ttl_ms),
+        result_ttl=status_text.format_duration(snapshot.result_ttl_ms),
         **_looked_up(request),
     )
     return render(request, "deferred/status.html", context)

@@ -236,7 +236,7 @@ def test_leaders_per_node_busiest_first() -> None:
 
 def test_the_status_text_shows_nodes_leaders_and_stuck_queues() -> None:
     from deferred.cluster.nodes import ClusterView, NodeState
-    from deferred.operate.status import render_cluster
+    from deferred.operate.status_text import render_cluster
 
     stuck = StuckQueue("p.delay.q", 14, 30, "rabbit-a@h", ("rabbit-a@h",), ("rabbit-a@h",))
     view = ClusterView(

@@ -32,7 +32,8 @@ from deferred.broker import admin_channel
 from deferred.broker.consumer import hold_prefetch
 from deferred.conf import _build, get_settings
 from deferred.core.topology import Plan, build_plan, hold_levels_for, plan_topology, recorded_plan
-from deferred.operate.status import build_snapshot, render_text
+from deferred.operate.status import build_snapshot
+from deferred.operate.status_text import render_text
 from deferred.worker import Worker
 from deferred.worker.holding import HANDED_BACK, Held, Holder
 from tests.conftest import _every_plan, depth, wait_for

@@ -25,7 +25,7 @@ from deferred.broker import QueueStats
 from deferred.broker.http_api import ManagementAPI
 from deferred.conf import _build, get_settings
 from deferred.core.topology import Plan, build_plan
-from deferred.operate import status
+from deferred.operate import status, status_text
 from tests.conftest import ROOT, depth, wait_for
 from tests.testapp.tasks import explode, record
 
@@ -123,12 +123,12 @@ def test_snapshot_counts_levels_chart_failed_and_old_topologies() -> None:
 
 
 def test_duration_text_rounds_up() -> None:
-    assert status.format_duration(999) == "999 ms"
-    assert status.format_duration(1_000) == "1 s"
-    assert status.format_duration(61_001) == "1 min 2 s"
-    assert status.format_duration(3_599_999) == "1 h"
-    assert status.format_duration(655_359) == "10 min 56 s"
-    assert status.format_duration(2 * 86_400_000 + 1) == "2 d 1 h"
+    assert status_text.format_duration(999) == "999 ms"
+    assert status_text.format_duration(1_000) == "1 s"
+    assert status_text.format_duration(61_001) == "1 min 2 s"
+    assert status_text.format_duration(3_599_999) == "1 h"
+    assert status_text.format_duration(655_359) == "10 min 56 s"
+    assert status_text.format_duration(2 * 86_400_000 + 1) == "2 d 1 h"
 
 
 def test_render_text_says_unacked_is_unknown() -> None:
@@ -142,7 +142,7 @@ def test_render_text_says_unacked_is_unknown() -> None:
         unacked=None,
         taken_at=datetime(2025, 1, 1, tzinfo=UTC),
     )
-    text = status.render_text(snap)
+    text = status_text.render_text(snap)
     assert "n/a" in text and "management API" in text
     assert "not on the broker" in text  # no delay queue exists
 

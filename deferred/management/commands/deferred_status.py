@@ -12,7 +12,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from deferred.broker import BrokerError
 from deferred.conf import DeferredSettings
 from deferred.management.arguments import command_settings, seconds
-from deferred.operate import status
+from deferred.operate import status, status_text
 from deferred.records import results
 
 #: ANSI: cursor home, then clear the screen (what ``watch`` does between frames).
@@ -55,7 +55,7 @@ class Command(BaseCommand):
             self.stdout.write(
                 json.dumps(snapshot.to_dict(), indent=2)
                 if as_json
-                else status.render_text(snapshot)
+                else status_text.render_text(snapshot)
             )
             return
         # Ctrl-C (or SIGTERM) ends the loop even when the KeyboardInterrupt lands
@@ -104,5 +104,5 @@ class Command(BaseCommand):
         if as_json:
             self.stdout.write(json.dumps(snapshot.to_dict()))
         else:
-            self.stdout.write(CLEAR_SCREEN + status.render_text(snapshot))
+            self.stdout.write(CLEAR_SCREEN + status_text.render_text(snapshot))
         self.stdout.flush()
