@@ -231,17 +231,20 @@ class Keeper:
         self._next_alive = 0.0
         self._next_backlog_look = 0.0
         self._next_carry = 0.0
+        #: Off when the worker must end at once (a job given up at its hard time limit).
+        self.wait_on_stop = True
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="deferred-keeper", daemon=True)
         self._thread.start()
 
-    def stop(self, *, wait: bool = True) -> None:
+    def stop(self) -> None:
         """End the thread; a repair under way ends with it, for the next keeper to do
-        again (the "up" message is put back only once a repair is done). ``wait``:
-        for the thread, a moment (it is a daemon: the process may end without it)."""
+        again (the "up" message is put back only once a repair is done). The thread
+        is waited for a moment, unless :attr:`wait_on_stop` is off (it is a daemon:
+        the process may end without it)."""
         self._stop.set()
-        if wait and self._thread is not None:
+        if self.wait_on_stop and self._thread is not None:
             self._thread.join(timeout=STOP_WAIT_S)
 
     def _now_ms(self) -> int:

@@ -46,7 +46,7 @@ import time
 from collections import Counter
 from collections.abc import Iterable
 from types import FrameType
-from typing import Any
+from typing import Any, Protocol
 
 from django.template.defaultfilters import pluralize
 
@@ -227,17 +227,16 @@ class Worker:
         """
         previous = self._install_signals()
         self._executor = Pool(self.concurrency)
-        self.cancels.start()
-        if self.results is not None:
-            self.results.start()
+        # The services the running jobs use (the cancels, the results writer) start
+        # first and stop after the last job; those beside them (the stuck-queue
+        # watch, the scheduler, the keeper) start last and stop before the jobs end.
+        for_jobs = _present(self.cancels, self.results)
+        beside = _present(self._stuck_watch(), self.scheduler, self.keeper)
+        for service in for_jobs:
+            service.start()
         self.holder.start_thread()
-        watch = self._stuck_watch()
-        if watch is not None:
-            watch.start()
-        if self.scheduler is not None:
-            self.scheduler.start()
-        if self.keeper is not None:
-            self.keeper.start()
+        for service in beside:
+            service.start()
         wait_s = RECONNECT_FIRST_S
         try:
             while not self._stopping.is_set():
@@ -291,14 +290,8 @@ class Worker:
         finally:
             self._consuming(False)
             self._hand_back_held()
-            if watch is not None:
-                watch.stop()
-            if self.scheduler is not None:
-                self.scheduler.stop()
-            if self.keeper is not None:
-                # A job given up at its hard limit was settled (its retry published): the
-                # process must end now, before the retry starts elsewhere beside its thread.
-                self.keeper.stop(wait=self.exit_status != WorkerExit.TIMED_OUT)
+            for service in beside:
+                service.stop()
             # Every thread but one given up at a hard time limit: that one ends with the process.
             # A given-up job not settled went back to RabbitMQ with a lost connection: it
             # may run elsewhere now, so the stuck thread must end at once, and with it the
@@ -314,9 +307,8 @@ class Worker:
                 )
             self._executor.shutdown(wait=not lost)
             self.watchdog.stop()
-            if self.results is not None:
-                self.results.stop()
-            self.cancels.stop()
+            for service in reversed(for_jobs):
+                service.stop()
             self.consumer.close()
             self._restore_signals(previous)
             if self.exit_status == WorkerExit.STOPPED:
@@ -335,6 +327,10 @@ class Worker:
             first = self.exit_status == WorkerExit.STOPPED and not self._stopping.is_set()
             if status > self.exit_status:
                 self.exit_status = status
+        if status == WorkerExit.TIMED_OUT and self.keeper is not None:
+            # A job given up at its hard limit was settled (its retry published): the
+            # process must end now, before the retry starts elsewhere beside its thread.
+            self.keeper.wait_on_stop = False
         self.stop()
         if first or status == WorkerExit.TIMED_OUT:
             logger.warning(
@@ -664,6 +660,20 @@ class Worker:
                 "definitions, or run declare_delay_topology).",
                 missing,
             )
+
+
+class Service(Protocol):
+    """What runs beside the jobs in a worker: a thread of its own, started and stopped
+    with the worker."""
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+def _present(*services: Service | None) -> tuple[Service, ...]:
+    """The services this worker has (a feature that is off has none)."""
+    return tuple(service for service in services if service is not None)
 
 
 def _rank(delivery: Delivery, job: Job | None) -> int:
