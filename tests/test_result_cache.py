@@ -19,8 +19,7 @@ import deferred
 from deferred import cancel, defer
 from deferred.conf import get_settings
 from deferred.core import signing
-from deferred.records import result_cache
-from deferred.records import result_format as results
+from deferred.records import result_cache, result_format, results
 from tests.conftest import wait_for
 from tests.testapp.tasks import add, always_fails, flaky, record, sleepy
 
@@ -91,7 +90,7 @@ def test_a_finished_job_is_answered_from_the_cache_as_the_stream_answers(
 def test_a_long_job_keeps_its_started_record_in_the_cache(cached, run_worker, records, monkeypatch):
     # It runs past STARTED_AFTER_S: its "started" record goes out on its own first
     run_worker(concurrency=1)
-    job_id = defer(sleepy, 0, records, "slow", results.STARTED_AFTER_S + 0.3)
+    job_id = defer(sleepy, 0, records, "slow", result_format.STARTED_AFTER_S + 0.3)
     assert wait_for(lambda: deferred.result(job_id).state == "running", 10)
     assert wait_for(lambda: entry_of(job_id) is not None, 10)
     stream = from_stream(job_id, monkeypatch)
@@ -141,7 +140,7 @@ def test_an_evicted_entry_reads_the_stream(cached, run_worker):
 
 def test_a_forged_entry_is_ignored(cached, run_worker, records):
     job_id = defer(record, 30, records, "later")
-    forged = results.encode([{"id": job_id, "ev": "succeeded", "at": time.time(), "a": 1}])
+    forged = result_format.encode([{"id": job_id, "ev": "succeeded", "at": time.time(), "a": 1}])
     key = result_cache.cache_key(get_settings(), job_id)
     cached.set(key, (forged, signing.sign(forged, ("not-the-key",))))
     assert deferred.result(job_id).state == "pending"
