@@ -13,12 +13,14 @@
 #   3. the three-node cluster's tests, one after the other: they start, kill and
 #      restart nodes, and their timings need the cores.
 #
-#   WHOLE=1 [MARK='not slow'] [PARALLEL=4] scripts/pytest-runs.sh COMMAND...
+#   WHOLE=1 [MARK='not slow'] [PARALLEL=3] scripts/pytest-runs.sh COMMAND...
 #
-# Why side by side: the tests mostly wait, on the broker and on real delays of
-# milliseconds to seconds, not on the host's two cores; one process after the
-# other, the suite took twice CI's 15 minutes a run. Each test run gets a PREFIX
-# of its own (tests/settings.py), so processes side by side share no queue.
+# Why side by side: one process after the other, the tests mostly wait, on the
+# broker and on real delays of milliseconds to seconds. Side by side they keep a
+# 2-core host busy (the broker takes about one core: each topology a test
+# declares and deletes costs it about 3 CPU-seconds), so more processes gain
+# nothing and make timing tests miss: three, by default. Each test run gets a
+# PREFIX of its own (tests/settings.py), so processes side by side share no queue.
 # MARK keeps only the tests it selects (pytest -m), in every run. Every run goes
 # on when one fails, so one pass shows every failure; the exit status is the
 # first failing run's.
@@ -38,7 +40,7 @@ run() {
     [ "$code" = 5 ] && code=0
     [ "$status" = 0 ] && status=$code
 }
-run "$@" -n "${PARALLEL:-4}" --dist loadfile --ignore=tests/test_cluster.py -m "$(both "not alone")"
+run "$@" -n "${PARALLEL:-3}" --dist loadfile --ignore=tests/test_cluster.py -m "$(both "not alone")"
 run "$@" --ignore=tests/test_cluster.py -m "$(both alone)"
 if [ -n "$mark" ]; then
     run "$@" tests/test_cluster.py -m "$mark"
