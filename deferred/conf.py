@@ -26,6 +26,7 @@ from django.conf import settings as django_settings
 from django.core.exceptions import ImproperlyConfigured
 from django.core.signals import setting_changed
 from django.dispatch import receiver
+from django.template.defaultfilters import pluralize
 
 from deferred.broker.connection import with_tls_options
 from deferred.core import parsers
@@ -559,14 +560,15 @@ def _build(raw: Any, cls: type[DeferredSettings] = DeferredSettings) -> Deferred
     known = {row.key for row in rows.values()}
     if unknown := sorted(set(raw) - known):
         raise ImproperlyConfigured(
-            f"Unknown DEFERRED settings: {', '.join(unknown)}. "
+            f"Unknown key{pluralize(len(unknown))} in DEFERRED: {', '.join(unknown)}. "
             f"Known keys: {', '.join(sorted(known))}."
         )
+    given = {row.key: raw.get(row.key, row.default) for row in rows.values()}
+    _before_rows(given)
     values = {
-        name: row.parse(f"DEFERRED[{row.key!r}]", raw.get(row.key, row.default))
-        for name, row in rows.items()
+        name: row.parse(f"DEFERRED[{row.key!r}]", given[row.key]) for name, row in rows.items()
     }
-    values.update(_spanning(values, raw))
+    values.update(_spanning(values, given))
     result = cls(**values)
     # The plan enforces the limits that depend on several values at once
     # (routing-key length); building it here makes them configuration errors.
@@ -577,9 +579,24 @@ def _build(raw: Any, cls: type[DeferredSettings] = DeferredSettings) -> Deferred
     return result
 
 
-def _spanning(values: dict[str, Any], raw: dict[str, Any]) -> dict[str, Any]:
+def _before_rows(given: dict[str, Any]) -> None:
+    """What a setting's own check would hide: a value that does not apply at all is
+    said to be so before anything is said of the value."""
+    if given["CONSUMER_TIMEOUT"] is not None and given["QUEUE_TYPE"] == "classic":
+        raise ImproperlyConfigured(
+            "DEFERRED['CONSUMER_TIMEOUT'] applies to quorum queues only. With classic queues, "
+            "set consumer_timeout in rabbitmq.conf (RabbitMQ 3.x to 4.2; on 4.3 classic "
+            "queues have no consumer timeout), or leave CONSUMER_TIMEOUT at None."
+        )
+    if given["SIGNING_KEY"] is None and given["SIGNING_KEY_FALLBACKS"] is not None:
+        raise ImproperlyConfigured(
+            "DEFERRED['SIGNING_KEY_FALLBACKS'] needs DEFERRED['SIGNING_KEY'] (without it, "
+            "SECRET_KEY and SECRET_KEY_FALLBACKS are used)."
+        )
+
+
+def _spanning(values: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
     """What one row cannot say alone: the values it resolves, and the checks across rows."""
-    given = {**DEFAULTS, **raw}
     changes: dict[str, Any] = {}
     if values["max_delay_ms"] < values["resolution_ms"]:
         raise ImproperlyConfigured(
@@ -593,12 +610,6 @@ def _spanning(values: dict[str, Any], raw: dict[str, Any]) -> dict[str, Any]:
             "DEFERRED['DELAY_QUEUE_TYPE'] must be 'quorum' when QUEUE_TYPE is 'quorum': classic "
             "delay queues would lose jobs moving between them on a broker restart, and would "
             "live on one node of the cluster that quorum queues are for."
-        )
-    if values["consumer_timeout_ms"] is not None and queue_type != "quorum":
-        raise ImproperlyConfigured(
-            "DEFERRED['CONSUMER_TIMEOUT'] applies to quorum queues only. With classic queues, "
-            "set consumer_timeout in rabbitmq.conf (RabbitMQ 3.x to 4.2; on 4.3 classic "
-            "queues have no consumer timeout), or leave CONSUMER_TIMEOUT at None."
         )
     # The cache only speeds up what the stream keeps: no entry outlives RESULT_TTL
     # (a project with a RESULT_TTL under the default hour keeps working as it was).
@@ -624,11 +635,6 @@ def _signing_keys(
     """The signing key, then the fallbacks: ``SIGNING_KEY``'s, or ``SECRET_KEY``'s."""
     if key is not None:
         return (key, *(fallbacks or ()))
-    if fallbacks is not None:
-        raise ImproperlyConfigured(
-            "DEFERRED['SIGNING_KEY_FALLBACKS'] needs DEFERRED['SIGNING_KEY'] (without it, "
-            "SECRET_KEY and SECRET_KEY_FALLBACKS are used)."
-        )
     try:
         secret = django_settings.SECRET_KEY
     except ImproperlyConfigured:
@@ -674,13 +680,14 @@ def _with_tls(url: str, tls: TLSOptions) -> str:
     try:
         return with_tls_options(
             url,
+            "DEFERRED['TLS_*'] settings",
             cafile=tls.ca_file,
             certfile=tls.cert_file,
             keyfile=tls.key_file,
             server_hostname=tls.server_name,
         )
     except ValueError as exc:
-        raise ImproperlyConfigured(f"DEFERRED['TLS_*'] settings: {exc}") from None
+        raise ImproperlyConfigured(str(exc)) from None
 
 
 @lru_cache(maxsize=1)

@@ -146,23 +146,27 @@ def tls_context(url: str) -> ssl.SSLContext | None:
     return context
 
 
-def with_tls_options(url: str, **options: str | None) -> str:
+def with_tls_options(url: str, source: str, **options: str | None) -> str:
     """``url`` with ``options`` (``cafile``, ``certfile``, ``keyfile``,
     ``server_hostname``; None left out) as pika's ``ssl_options`` query argument.
 
     The URL is what every connection is made from, so the options travel with
     it: :func:`parameters` turns them into an SSL context. ``ValueError`` for a
-    URL that is not amqps://, or that has ``ssl_options`` of its own.
+    URL that is not amqps://, or that has ``ssl_options`` of its own; its
+    message names the options as ``source`` (where the reader set them).
     """
     parts = urllib.parse.urlsplit(url)
     if parts.scheme != "amqps":
         raise ValueError(
-            "they apply to amqps:// broker URLs; "
+            f"{source} apply to amqps:// broker URLs; "
             f"{parts.scheme}://{parts.hostname}:{parts.port or 5672} is not encrypted."
         )
     query = urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
     if any(key == "ssl_options" for key, _ in query):
-        raise ValueError("a broker URL has its own ssl_options as well: use one or the other.")
+        raise ValueError(
+            f"A broker URL has its own ssl_options and {source} are given too: use one or "
+            "the other."
+        )
     given = {key: value for key, value in options.items() if value is not None}
     query.append(("ssl_options", repr(given)))
     return urllib.parse.urlunsplit(parts._replace(query=urllib.parse.urlencode(query)))

@@ -275,12 +275,15 @@ def queue_type(name: str, value: Any) -> str:
 
 
 def delay_queue_type(name: str, value: Any) -> str | None:
-    """One of the queue types, or None: QUEUE_TYPE's (resolved beside it)."""
-    if value is not None and value not in QUEUE_TYPES:
+    """One of the queue types, or None: QUEUE_TYPE's (resolved beside it). An empty
+    value (``""`` from an unset environment variable) means None too."""
+    if not value:
+        return None
+    if value not in QUEUE_TYPES:
         raise ImproperlyConfigured(
             f"{name} must be None (QUEUE_TYPE's) or one of {', '.join(QUEUE_TYPES)}; got {value!r}."
         )
-    return None if value is None else str(value)
+    return str(value)
 
 
 def max_delay_ms(name: str, value: Any) -> int:
