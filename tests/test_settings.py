@@ -139,7 +139,7 @@ def test_adding_a_setting_is_one_row():
     assert (built.greeting, built.radix) == ("hi", 4)  # type: ignore[attr-defined]
     with pytest.raises(ImproperlyConfigured, match=r"DEFERRED\['GREETING'\] must be 1-100"):
         conf._build({"GREETING": "has space"}, WithGreeting)
-    with pytest.raises(ImproperlyConfigured, match="Unknown DEFERRED settings: GREETING"):
+    with pytest.raises(ImproperlyConfigured, match="Unknown key in DEFERRED: GREETING"):
         conf._build({"GREETING": "hi"})
 
 
@@ -170,3 +170,27 @@ def test_the_backend_options_say_what_the_setting_says(key, value, says):
         RabbitMQBackend("jobs", {"OPTIONS": {key: value}})
     option_words = str(option_error.value).replace("TASKS['jobs']['OPTIONS']", "DEFERRED")
     assert option_words == str(setting_error.value)
+
+
+@pytest.mark.parametrize("empty", ["", False, 0, None])
+def test_an_empty_delay_queue_type_follows_queue_type(empty):
+    # An unset environment variable read as "" means "as QUEUE_TYPE", as None does.
+    assert settings_for(DELAY_QUEUE_TYPE=empty).delay_queue_type == "classic"
+    assert settings_for(QUEUE_TYPE="quorum", DELAY_QUEUE_TYPE=empty).delay_queue_type == "quorum"
+
+
+@pytest.mark.parametrize(
+    ("values", "says"),
+    [
+        # What does not apply is said first, whatever else is wrong with the value.
+        ({"CONSUMER_TIMEOUT": 0.5}, "quorum queues only"),
+        ({"CONSUMER_TIMEOUT": "1h"}, "quorum queues only"),
+        ({"SIGNING_KEY_FALLBACKS": "old"}, r"needs DEFERRED\['SIGNING_KEY'\]"),
+        ({"SIGNING_KEY_FALLBACKS": [""]}, r"needs DEFERRED\['SIGNING_KEY'\]"),
+        ({"FOO": 1}, r"Unknown key in DEFERRED: FOO\."),
+        ({"FOO": 1, "BAR": 2}, r"Unknown keys in DEFERRED: BAR, FOO\."),
+    ],
+)
+def test_a_setting_that_does_not_apply_says_so_first(values, says):
+    with pytest.raises(ImproperlyConfigured, match=says):
+        settings_for(**values)
