@@ -8,7 +8,10 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parent.parent / "deferred"
+import deferred
+
+#: The package as Python imports it: this checkout's, or the installed wheel's.
+PACKAGE = Path(deferred.__file__).resolve().parent
 
 #: What each package may import, as the layout page draws it. The public face
 #: (the modules at the top of deferred/) may import any of them.
