@@ -29,7 +29,7 @@ from django.dispatch import receiver
 from django.template.defaultfilters import pluralize
 
 from deferred.broker.connection import with_tls_options
-from deferred.core import parsers
+from deferred.core import parsers as p
 from deferred.core.parsers import Parser
 from deferred.core.retries import Backoff
 from deferred.core.schedule import Schedule
@@ -78,8 +78,6 @@ RESULTS = "Results"
 CLUSTERS = "Clusters"
 RESTARTS = "Broker restarts"
 SECURITY = "Security"
-
-p = parsers
 
 
 @dataclass(frozen=True)
@@ -625,7 +623,7 @@ def _spanning(values: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
     if tls is not None:
         broker_urls = changes["broker_urls"] = tuple(_with_tls(url, tls) for url in broker_urls)
     if values["management_urls"] is None:
-        changes["management_urls"] = parsers.management_urls_of(broker_urls)
+        changes["management_urls"] = p.management_urls_of(broker_urls)
     return changes
 
 
@@ -647,11 +645,9 @@ def _signing_keys(
             )
         return ()
     return (
-        parsers.key("SECRET_KEY", secret),
+        p.key("SECRET_KEY", secret),
         *(
-            parsers.keys(
-                "SECRET_KEY_FALLBACKS", getattr(django_settings, "SECRET_KEY_FALLBACKS", None)
-            )
+            p.keys("SECRET_KEY_FALLBACKS", getattr(django_settings, "SECRET_KEY_FALLBACKS", None))
             or ()
         ),
     )

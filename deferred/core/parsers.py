@@ -23,7 +23,7 @@ from django.conf import settings as django_settings
 from django.core.exceptions import ImproperlyConfigured
 
 from deferred.core.limits import parse_time_limit
-from deferred.core.retries import Backoff, parse_backoff, validate_max_retries
+from deferred.core.retries import parse_backoff, validate_max_retries
 from deferred.core.schedule import Schedule
 from deferred.core.topology import MAX_TTL_MS
 
@@ -399,8 +399,7 @@ def hold_prefetch(name: str, value: Any) -> int:
 max_retries: Parser = wrapping(validate_max_retries, ValueError)
 
 
-def retry_backoff(name: str, value: Any) -> Backoff:
-    return wrapping(parse_backoff, TypeError, ValueError)(name, value)  # type: ignore[no-any-return]
+retry_backoff: Parser = wrapping(parse_backoff, TypeError, ValueError)
 
 
 def schedules(name: str, value: Any) -> tuple[tuple[str, Schedule], ...]:
