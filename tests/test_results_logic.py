@@ -557,14 +557,20 @@ def test_a_redelivered_attempt_is_not_cached_and_a_fresh_one_is(settings):
 
     recorder.cache.add = spy  # type: ignore[method-assign]
 
+    def made() -> Job:
+        # One moment for the id and the due time: a millisecond between the two would
+        # make the job read as a re-driven run, which is never cached.
+        now = utcnow()
+        return Job(id=new_job_id(now), task="tests.add", args=(), kwargs={}, due=now, queue="q")
+
     def ran(redelivered: bool) -> Job:
-        job = Job(id=new_job_id(), task="tests.add", args=(), kwargs={}, due=utcnow(), queue="q")
+        job = made()
         recorder.started(job, utcnow(), redelivered=redelivered)
         recorder.ended(job, "succeeded", utcnow(), value=1)
         return job
 
     fresh, again = ran(False), ran(True)
-    dropped = Job(id=new_job_id(), task="tests.add", args=(), kwargs={}, due=utcnow(), queue="q")
+    dropped = made()
     recorder.ended(dropped, "cancelled", utcnow())  # never started: cached all the same
     assert sorted(added) == sorted([fresh.id, dropped.id]) and again.id not in added
     assert not recorder._starts
