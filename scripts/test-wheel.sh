@@ -4,8 +4,8 @@
 #
 #   scripts/test-wheel.sh [pytest arguments]     e.g. -k transfer
 #
-# With no arguments, the whole suite in its three runs (scripts/pytest-runs.sh);
-# MARK='not slow' keeps the fast tests only, in the same three runs.
+# With no arguments, the whole suite in its four runs (scripts/pytest-runs.sh);
+# MARK='not slow' keeps the fast tests only, in the same four runs.
 #
 # The wheel is built from a clone of the committed tree (uncommitted changes
 # are not tested here), installed with its dev extra into a fresh virtualenv,
@@ -21,7 +21,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts="$PWD/scripts"
-# With no pytest arguments: the whole suite, in three runs (scripts/pytest-runs.sh).
+# With no pytest arguments: the whole suite, in four runs (scripts/pytest-runs.sh).
 whole=0
 [ $# -eq 0 ] && whole=1
 

@@ -13,7 +13,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# With no pytest arguments: the whole suite, in three runs (scripts/pytest-runs.sh).
+# With no pytest arguments: the whole suite, in four runs (scripts/pytest-runs.sh).
 whole=0
 [ $# -eq 0 ] && whole=1
 if [ -n "${RABBITMQ_RELEASE:-}" ]; then

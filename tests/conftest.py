@@ -7,8 +7,10 @@ RabbitMQ does not answer, the broker tests fail (they are never skipped).
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -45,17 +47,21 @@ def wait_for(predicate: Callable[[], object], timeout: float, interval: float = 
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Side by side (pytest-xdist, ``--dist loadfile``), the files that hold the most
-    slow tests come first: files go to the processes in this order, and a long file
-    handed out last would leave the others idle at the end. The order within a file
-    stays as collected."""
+    """Side by side (pytest-xdist, ``--dist loadfile``), the longest files come first:
+    files go to the processes in this order, and a long file handed out last would
+    leave the others idle at the end. How long each took last is in
+    ``tests/file_seconds.json`` (``scripts/file-seconds.py`` writes it); a file it
+    does not name counts as the median one. The order within a file stays as
+    collected."""
     if getattr(config.option, "dist", "no") != "loadfile":
         return
-    slow: dict[Path, int] = {}
-    for item in items:
-        if item.get_closest_marker("slow"):
-            slow[item.path] = slow.get(item.path, 0) + 1
-    items.sort(key=lambda item: -slow.get(item.path, 0))
+    seconds: dict[str, int] = json.loads((ROOT / "tests" / "file_seconds.json").read_text())
+    median = statistics.median(seconds.values())
+
+    def took(item: pytest.Item) -> float:
+        return seconds.get(item.path.relative_to(ROOT).as_posix(), median)
+
+    items.sort(key=lambda item: -took(item))
 
 
 @pytest.fixture(scope="session")
@@ -97,16 +103,92 @@ def topology(broker_url: str) -> Iterator[Plan]:
 
 @contextmanager
 def topology_of_its_own(broker_url: str) -> Iterator[Plan]:
-    """Declare a topology under a new PREFIX, in force (settings) until the block ends,
-    then delete it."""
-    prefix = f"{settings.DEFERRED['PREFIX']}-{uuid.uuid4().hex[:6]}"
+    """A topology under a PREFIX no other test uses while this block runs, in force
+    (settings) until the block ends: declared, or taken from this process's spares.
+
+    Declaring a topology and deleting it costs the broker about 2 CPU-seconds (122
+    queues, 682 bindings), and a hundred tests ask for one: on a 2-core host that
+    was a good part of a suite run. So a topology that a test leaves as it was
+    declared goes back to the spares emptied (:func:`_emptied`), and the next test
+    with the same settings takes it; anything a test left that emptying cannot undo
+    gets it deleted instead, as before.
+    """
+    shape = _shape()
+    spares = _SPARES.setdefault(shape, [])
+    spare = spares.pop()[1] if spares else None
+    prefix = spare.prefix if spare else f"{settings.DEFERRED['PREFIX']}-{uuid.uuid4().hex[:6]}"
     with override_settings(DEFERRED={**settings.DEFERRED, "PREFIX": prefix}):
-        call_command("declare_delay_topology", verbosity=0)
+        if spare is None:
+            call_command("declare_delay_topology", verbosity=0)
         plan = plan_topology(get_settings())
         try:
             yield plan
         finally:
-            remove_topologies(broker_url, plan)
+            if _emptied(broker_url, plan):
+                spares.append((broker_url, plan))
+            else:
+                remove_topologies(broker_url, plan)
+
+
+#: This process's spare topologies, by the other settings they were declared with
+#: (:func:`_shape`). Deleted when the session ends (``_spare_topologies``).
+_SPARES: dict[str, list[tuple[str, Plan]]] = {}
+
+
+def _shape() -> str:
+    """What a topology depends on besides its PREFIX: the rest of the settings in force."""
+    return repr(sorted((k, repr(v)) for k, v in settings.DEFERRED.items() if k != "PREFIX"))
+
+
+def _emptied(broker_url: str, plan: Plan) -> bool:
+    """Empty ``plan`` for the next test, if it is as declared; whether it now is.
+
+    Not when something emptying cannot undo is there: a consumer still attached
+    (a worker the test left running), another topology or the legacy queues under
+    the prefix, a queue declared with other arguments. What the test deleted or
+    unbound is declared again. Streams cannot be emptied: they are deleted and
+    declared anew. Any broker error: no (the caller deletes it all).
+    """
+    names = {queue.name for queue in plan.all_queues}
+    legacy = [name for queues in plan.legacy_queues for name in queues.values()]
+    streams = [q for q in plan.all_queues if q.arguments.get("x-queue-type") == "stream"]
+    kept = [
+        queue.name
+        for queue in plan.all_queues
+        if queue not in streams and queue.name != plan.registry_queue.name
+    ]
+    try:
+        with admin_channel(broker_url) as admin:
+            recorded = [record["topology"] for record in admin.topology_records(plan)]
+            if recorded != [plan.topology_id] or any(
+                name not in names and admin.queue_exists(name) for name in legacy
+            ):
+                return False
+            for name in names:
+                stats = admin.queue_stats(name)
+                if stats is not None and stats.consumers:
+                    return False
+            for name in kept:
+                if admin.queue_exists(name):
+                    admin.channel.queue_purge(name)
+            for stream in streams:
+                admin.channel.queue_delete(stream.name)
+            admin.declare(plan)
+            # Nothing on its way between two queues when they were purged.
+            return not any(admin.message_count(name) for name in kept)
+    except BrokerError:
+        return False
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _spare_topologies() -> Iterator[None]:
+    """Delete this process's spare topologies at the end of the session (none when no
+    test used the broker)."""
+    yield
+    for spares in _SPARES.values():
+        for url, plan in spares:
+            remove_topologies(url, plan)
+    _SPARES.clear()
 
 
 def remove_topologies(broker_url: str, plan: Plan, tries: int = 10) -> None:

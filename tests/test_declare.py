@@ -252,3 +252,42 @@ def test_a_binding_the_broker_refuses_is_a_clear_error_and_the_others_stand(brok
             assert bound(first)
             # The admin goes on, on a fresh channel.
             assert admin.queue_exists(first.destination)
+
+
+def test_a_spare_test_topology_comes_back_empty_and_as_declared(broker_url, raw_channel, records):
+    """The suite's own economy (tests/conftest.py): a topology a test leaves goes to the
+    next test emptied, its streams new, what the test cut back, and its one record kept."""
+    from tests.conftest import depth, topology_of_its_own, total_waiting
+
+    def routed(plan: Plan, binding) -> bool:
+        before = depth(raw_channel, binding.destination)
+        raw_channel.basic_publish(binding.source, binding.routing_key, b"routed?")
+        return wait_for(lambda: depth(raw_channel, binding.destination) > before, 1)
+
+    with topology_of_its_own(broker_url) as first:
+        top = first.delay_queues[0].name  # the longest wait: what lands there stays
+        cut = next(b for b in first.bindings if b.destination == top)
+        raw_channel.queue_unbind(cut.destination, cut.source, cut.routing_key)
+        assert not routed(first, cut)
+        defer(record, 60, records, "still waiting")
+        raw_channel.basic_publish("", first.ready_queues["default"].name, b"left over")
+        raw_channel.basic_publish("", first.results_queue.name, b"a record")
+        assert wait_for(lambda: total_waiting(raw_channel, first) == 2, 5)
+    with topology_of_its_own(broker_url) as second, admin_channel(broker_url) as admin:
+        assert second.prefix == first.prefix
+        assert total_waiting(raw_channel, second) == 0
+        assert admin.stream_span(second.results_queue.name) == 0
+        assert [r["topology"] for r in admin.topology_records(second)] == [second.topology_id]
+        assert admin.missing(second) == []
+        assert routed(second, cut)
+
+
+def test_a_test_topology_with_a_consumer_left_on_it_is_not_handed_out_again(
+    broker_url, raw_channel
+):
+    from tests.conftest import topology_of_its_own
+
+    with topology_of_its_own(broker_url) as first:
+        raw_channel.basic_consume(first.ready_queues["default"].name, lambda *a: None)
+    with topology_of_its_own(broker_url) as second:
+        assert second.prefix != first.prefix

@@ -430,7 +430,7 @@ def test_sigterm_during_a_hold_hands_the_job_back_at_once_uncounted(
         assert "outcome=succeeded" in second.output()
 
 
-@pytest.mark.alone  # milliseconds that a host busy with the tests beside it misses
+@pytest.mark.quiet
 def test_sigkill_during_a_hold_the_broker_gives_the_job_to_another_worker(
     broker_url, worker_process, raw_channel, records
 ):

@@ -76,7 +76,7 @@ def test_a_thousand_keyed_jobs_over_fifty_keys_run_exactly_the_latest_of_each(ru
     assert worker.outcomes["failed"] == 0
 
 
-@pytest.mark.alone  # milliseconds that a host busy with the tests beside it misses
+@pytest.mark.quiet
 def test_a_later_job_deferred_just_before_the_older_one_is_due_still_wins(run_worker, records):
     run_worker(concurrency=4)
     in_time: list[str] = []
