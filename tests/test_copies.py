@@ -19,7 +19,7 @@ from deferred import defer
 from deferred.broker import COPY_HEADER, admin_channel
 from deferred.conf import get_settings
 from deferred.producer.publishing import encode
-from deferred.worker.pipeline import DELIVERIES_HEADER
+from deferred.worker.copies import DELIVERIES_HEADER
 from tests.conftest import rabbitmqctl, record_job, signed, wait_for
 from tests.testapp.tasks import cut_off, read_records, sleepy, timed
 

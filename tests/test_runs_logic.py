@@ -6,7 +6,7 @@ from datetime import timedelta
 
 from deferred.core.jobs import utcnow
 from deferred.records.runs import Claim, End, RecentRuns
-from deferred.worker.pipeline import attempt_ended, first_run_key, run_key
+from deferred.worker.copies import attempt_ended, first_run_key, run_key
 from tests.conftest import record_job
 
 

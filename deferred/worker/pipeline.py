@@ -18,7 +18,8 @@
    (:mod:`deferred.core.limits`);
 6. **retry or fail**: the retry policy decides; a retry is published through
    the delay queues, a failure stored in the failed queue, both confirmed
-   before the worker acks;
+   before the worker acks (every way back onto the broker is in
+   :mod:`deferred.worker.delay_line`);
 7. **log** the job's line and tell the observers its :class:`Outcome`.
 
 The worker (:mod:`deferred.worker`) owns the connection and the threads: it
@@ -32,10 +33,10 @@ fourth, :class:`Hold`, tells it to wait, and a fifth, :class:`Joined`, that the
 delivery is a copy of an attempt this worker is running: it is settled when
 that run ends.
 
-**Copies** (:mod:`deferred.records.runs`): once a job is due and not cancelled (step
-3 on), a delivery of an attempt this worker ran lately is acked without
-running (``outcome=duplicate``), and one of an attempt it is running joins
-that run.
+**Copies** (:mod:`deferred.worker.copies`, :mod:`deferred.records.runs`): once a
+job is due and not cancelled (step 3 on), a delivery of an attempt this worker
+ran lately is acked without running (``outcome=duplicate``), and one of an
+attempt it is running joins that run.
 A delivery that may have run elsewhere (redelivered, or a copy carrying a
 delivery count) is looked up in the results stream first, when the job keeps
 results: if its attempt ended there, it is acked without running too.
@@ -44,41 +45,29 @@ results: if its attempt ended there, it is acked without running too.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any
 
 from django.db import close_old_connections
 
-from deferred.broker import (
-    COPY_HEADER,
-    RESTART_COPY,
-    BrokerError,
-    BrokerUnavailable,
-    Delivery,
-    Outgoing,
-    publisher_for,
-)
+from deferred.broker import BrokerError, BrokerUnavailable, Delivery
 from deferred.conf import DeferredSettings
-from deferred.core import intake, signing, tracing
-from deferred.core.delays import capped_delay_ms
-from deferred.core.jobs import Job, body_level, due_ms_of, utcnow
+from deferred.core import intake, tracing
+from deferred.core.jobs import Job, utcnow
 from deferred.core.limits import TimeLimitExceeded, Watch, Watchdog
 from deferred.core.outcomes import JOB_LINE, Observer, Outcome
 from deferred.core.retries import Decision
 from deferred.core.topology import Plan
-from deferred.producer.publishing import publish
 from deferred.producer.tasks import UnknownTask, get_task
 from deferred.records import failures
 from deferred.records.recording import Recorder, keeps_result
-from deferred.records.result_format import CANCELLED as CANCELLED_STATE
-from deferred.records.result_format import FAILED, SUCCEEDED
-from deferred.records.results import lookup as read_result
 from deferred.records.runs import Claim, End, RecentRuns
+from deferred.worker import copies
 from deferred.worker.cancel_watch import CancelWatch
+from deferred.worker.delay_line import DelayLine
 from deferred.worker.metrics import UNKNOWN as UNKNOWN_TASK_LABEL
 from deferred.worker.runnable import Runnable, resolve
 
@@ -88,8 +77,6 @@ logger = logging.getLogger("deferred.worker")
 CANCELS_TIMEOUT_S = 10.0
 #: and how long it then waits in the delay queues before it is tried again.
 CANCELS_RETRY_S = 5.0
-#: On classic ready queues: how many deliveries of this job ended without an ack.
-DELIVERIES_HEADER = "x-deferred-deliveries"
 
 
 #: On top of the hold window: how early a job may be and still be held rather than
@@ -162,6 +149,8 @@ class Pipeline:
         self.runs = runs
         #: Settles a delivery that joined a run, as the run ended (:meth:`_run_once`).
         self.settle = settle
+        #: Publishes jobs back: to wait, to their ready queue, or on (:mod:`.delay_line`).
+        self.line = DelayLine(settings, plan, worker_id, holds)
         #: Quorum queues count deliveries themselves (x-delivery-limit).
         self.count_redeliveries = settings.queue_type == "classic"
         #: Task names resolved here: the only task labels the metrics use.
@@ -183,7 +172,9 @@ class Pipeline:
             if isinstance(read, intake.Refused):
                 return self._refuse(delivery, read)
             job = read
-        seconds = self.hold_seconds(job) or self._copy_wait(delivery, job)
+        seconds = self.hold_seconds(job) or (
+            0.0 if self.results is None else copies.copy_wait(delivery, job)
+        )
         if seconds:
             raise Hold(job, seconds)
 
@@ -213,7 +204,7 @@ class Pipeline:
     def _run_once(self, runs: RecentRuns[Delivery], delivery: Delivery, job: Job) -> Outcome:
         """:meth:`_run`, unless this worker runs or ran the same attempt (a copy joins
         that run, or is acked without running) or the results say another one did."""
-        key = run_key(job)
+        key = copies.run_key(job)
         count = self._count_of(delivery)
         claim = runs.claim(key, delivery, count)
         if claim is Claim.JOINED:
@@ -238,30 +229,30 @@ class Pipeline:
             return self._duplicate(job, "here")
         how = End.FORGOTTEN
         #: How the copies that joined this run are settled as it ends; None: not at all.
-        copies: End | None = End.FORGOTTEN
+        others: End | None = End.FORGOTTEN
         try:
-            if self._ended_elsewhere(delivery, job):
+            if self.results is not None and copies.ended_elsewhere(self.settings, delivery, job):
                 outcome = self._duplicate(job, "elsewhere")
             else:
                 outcome = self._run(delivery, job)
             how = _END_OF.get(outcome, End.SETTLED)
             # Sent back to wait, its confirmed copy is in the delay queues: the copies
             # that joined are acked, though the attempt is not remembered as run.
-            copies = End.SETTLED if how is End.FORGOTTEN else how
+            others = End.SETTLED if how is End.FORGOTTEN else how
             return outcome
         except Abandoned:
             # Given up at its hard time limit: the worker settles it once its other jobs
             # are done, if its delivery is still held, and then ends. The copies that
             # joined stay unacked until then, and go back to RabbitMQ with the process:
             # one of them may be all that is left of the job.
-            copies = None
+            others = None
             raise
         finally:
             joined = runs.end(key, how, count + 1)
-            if joined and self.settle is not None and copies is not None:
+            if joined and self.settle is not None and others is not None:
                 for copy in joined:
                     try:
-                        self.settle(copy, copies)
+                        self.settle(copy, others)
                     except Exception:  # the run's own outcome stands
                         logger.exception("Could not settle a copy of job %s.", job.id)
 
@@ -442,64 +433,7 @@ class Pipeline:
     def _count_of(self, delivery: Delivery) -> int:
         """On classic queues, how many deliveries of this attempt ended without an ack
         so far, as its copy carries it (0 on quorum queues, which count themselves)."""
-        if not self.count_redeliveries:
-            return 0
-        seen = delivery.headers.get(DELIVERIES_HEADER, 0)
-        # Anyone may set a header: a value that is not a count counts as none.
-        return seen if type(seen) is int and seen >= 0 else 0
-
-    def _ended_elsewhere(self, delivery: Delivery, job: Job) -> bool:
-        """Whether another worker ended this attempt already, as the results stream says.
-
-        Asked only of a delivery that may have run before (redelivered, or a
-        copy carrying a delivery count) and of a job that keeps results: a
-        read costs a few milliseconds, and a first delivery has run nowhere.
-        A re-driven run is not looked up (its records share the id with the
-        run before it). When the stream cannot say, the job runs: at least once.
-        """
-        if self.results is None or not _maybe_ran(delivery):
-            return False
-        if run_key(job) != first_run_key(job) or not keeps_result(job):
-            return False
-        try:
-            found = read_result(self.settings, job.id, timeout=ELSEWHERE_TIMEOUT_S)
-        except (BrokerError, ValueError) as exc:
-            logger.info(
-                "job=%s could not be looked up in the results (%s); running it.", job.id, exc
-            )
-            return False
-        if attempt_ended(found.state, found.outcome, found.attempts, job.attempt):
-            return True
-        # A second copy (of a retried publish, or published again after a broker
-        # restart) whose attempt started from the other copy: the broker keeps that
-        # one until it is acked, so this one is not needed, even if the run died.
-        return (
-            COPY_HEADER in delivery.headers
-            and not delivery.redelivered
-            and found.attempts >= job.attempt
-        )
-
-    def _copy_wait(self, delivery: Delivery, job: Job) -> float:
-        """How much longer to hold a copy (:data:`COPY_HEADER`) or a redelivery before it
-        is looked up: long enough for a run of the other copy to be recorded. 0 for
-        any other delivery, for a job that keeps no results, or once the wait is over."""
-        copy = delivery.headers.get(COPY_HEADER)
-        if self.results is None or not (copy is not None or delivery.redelivered):
-            return 0.0
-        if not keeps_result(job):
-            return 0.0
-        if copy is None:
-            # Redelivered after a lost connection: a worker that ran it as the broker
-            # went writes its record once the broker is back, and a look-up at once
-            # would miss it.
-            wait = REDELIVERED_WAIT_S
-        elif copy == RESTART_COPY:
-            # Published into the ready queue behind its job, if that survived: the job
-            # has been handed to a worker by now, and only its record may be on its way.
-            wait = RESTART_COPY_WAIT_S
-        else:
-            wait = COPY_WAIT_S
-        return max(0.0, wait - (time.monotonic() - delivery.received))
+        return copies.count_of(delivery) if self.count_redeliveries else 0
 
     def _duplicate(self, job: Job, where: str) -> Outcome:
         """A copy of an attempt that ran: acked without running."""
@@ -553,83 +487,9 @@ class Pipeline:
         except BrokerUnavailable:
             return job.id in self.cancels.view
 
-    def hand_back(self, held: list[tuple[Delivery, Job]]) -> list[Delivery]:
-        """Put held jobs back in their queues for other workers, as fresh messages
-        (confirmed, in one round trip); return the deliveries to ack.
-
-        A fresh copy, not a requeue: the hand-back of a worker that stops, or
-        whose threads are all taken, is no failed delivery, so it must not
-        count towards ``DELIVERY_LIMIT`` (a requeued message comes back marked
-        redelivered, and quorum queues count it). The body, its signature and
-        the count so far go as they came. A delivery whose connection went is
-        left out: RabbitMQ has it back already.
-        """
-        ours = [(d, job) for d, job in held if self.holds(d)]
-        now = utcnow()
-        if ours:
-            publisher_for(self.settings).publish_many(
-                [
-                    # A due job goes to its ready queue, where only a worker with a
-                    # free slot takes it; one not due yet to be held again.
-                    Outgoing(
-                        "",
-                        self._ready_for(d.queue) if job.due <= now else d.queue,
-                        d.body,
-                        job.id,
-                        d.headers,
-                        d.priority,
-                    )
-                    for d, job in ours
-                ]
-            )
-        return [d for d, _ in ours]
-
-    def forward(
-        self, queue: str, body: bytes, message_id: str | None, headers: dict[str, Any]
-    ) -> None:
-        """Publish a message of a queue left from before PRIORITIES changed (FIFO, or
-        with priorities) to ``queue``, the queue that replaced it, as it came (body,
-        signature, counts), with the priority its job asks for; confirmed, so that
-        the caller may ack the old copy."""
-        # A body that is no job goes as it is: the worker of the new queue refuses it.
-        publisher_for(self.settings).publish(
-            "",
-            queue,
-            body,
-            message_id=message_id or "",
-            headers=headers,
-            priority=body_level(body),
-        )
-
-    def _ready_for(self, queue: str) -> str:
-        """The ready queue beside hold queue ``queue`` (``queue`` itself if it is none)."""
-        for name, hold in self.plan.hold_queues.items():
-            if hold.name == queue:
-                return self.plan.ready_queues[name].name
-        return queue
-
-    def _send_back(
-        self, job: Job, delivery: Delivery, delay: Any, now: datetime, *, next_attempt: bool = False
-    ) -> int:
-        """Publish ``job`` back into the delay line, ``delay`` from ``now`` (seconds, a
-        ``timedelta`` or a due time; at most ``MAX_DELAY`` at a time), confirmed, with
-        the delivery's trace headers, and return the wait in ms: the one way a worker
-        sends a job back to wait (a retry, with ``next_attempt``; a job that came
-        early; one waiting for the cancels). The caller acks the delivery after."""
-        wait_ms = capped_delay_ms(
-            delay,
-            now=now,
-            resolution_ms=self.settings.resolution_ms,
-            max_delay_ms=self.settings.max_delay_ms,
-        )
-        if next_attempt:
-            job = job.next_attempt(now + timedelta(milliseconds=wait_ms), worker=self.worker_id)
-        publish(job, wait_ms, settings=self.settings, headers=tracing.carried(delivery.headers))
-        return wait_ms
-
     def _wait_for_cancels(self, job: Job, delivery: Delivery, error: BrokerError) -> Outcome:
         """Send a due job back for a short wait while the cancels cannot be read."""
-        wait_ms = self._send_back(job, delivery, CANCELS_RETRY_S, utcnow())
+        wait_ms = self.line.send_back(job, delivery, CANCELS_RETRY_S, utcnow())
         return self._log(
             job,
             _lateness_ms(job),
@@ -656,7 +516,7 @@ class Pipeline:
         The worker never sleeps on a retry and never holds the message: the
         wait happens in the broker, like any other delay.
         """
-        wait_ms = self._send_back(job, delivery, delay, utcnow(), next_attempt=True)
+        wait_ms = self.line.send_back(job, delivery, delay, utcnow(), next_attempt=True)
         return self._log(
             job,
             lateness_ms,
@@ -687,19 +547,7 @@ class Pipeline:
             return self._log(
                 job, 0.0, Outcome.FAILED, 0.0, extra, error=error, reason=failures.DELIVERY_LIMIT
             )
-        publisher_for(self.settings).publish(
-            "",
-            delivery.queue,
-            delivery.body,
-            message_id=job.id,
-            # The job's own signature goes with it: the body is the same.
-            headers={
-                **tracing.carried(delivery.headers),
-                **{k: v for k, v in delivery.headers.items() if k == signing.HEADER},
-                DELIVERIES_HEADER: count,
-            },
-            priority=delivery.priority,
-        )
+        self.line.requeue(delivery, job, count)
         return self._log(job, _lateness_ms(job), Outcome.REQUEUED, 0.0, f"deliveries={count}")
 
     def _reschedule_early(self, job: Job, delivery: Delivery, now: datetime) -> Outcome:
@@ -707,7 +555,7 @@ class Pipeline:
         goes back to wait for the rest: never early."""
         # At most MAX_DELAY at a time: a job due further out (deferred under a
         # larger MAX_DELAY) simply comes back and waits again.
-        wait_ms = self._send_back(job, delivery, job.due, now)
+        wait_ms = self.line.send_back(job, delivery, job.due, now)
         return self._log(
             job,
             (now - job.due).total_seconds() * 1000,
@@ -800,26 +648,6 @@ def _lateness_ms(job: Job) -> float:
     return (utcnow() - job.due).total_seconds() * 1000
 
 
-#: How long a possible copy's look-up in the results may take before the job runs anyway.
-ELSEWHERE_TIMEOUT_S = 2.0
-#: How long a redelivered job waits before its look-up: the results writer of a worker
-#: that ran it as its connection went tries again every second (deferred.broker.results).
-REDELIVERED_WAIT_S = 2.0
-#: How long a copy the keeper published after a broker restart waits before its look-up:
-#: the results writer's linger and a job's "started" record (deferred.records.results), with room.
-RESTART_COPY_WAIT_S = 0.5
-#: How long a second copy of a publish waits before its look-up: the first copy's
-#: run, if it was taken, is recorded within the results writer's linger by then.
-COPY_WAIT_S = 2.0
-
-
-def _maybe_ran(delivery: Delivery) -> bool:
-    """Whether a delivery may be of an attempt that ran already: redelivered, a copy
-    carrying a delivery count, or a second copy of a publish."""
-    headers = delivery.headers
-    return delivery.redelivered or DELIVERIES_HEADER in headers or COPY_HEADER in headers
-
-
 #: What an outcome means for later copies of its attempt (the rest: settled).
 _END_OF = {
     # Sent back to wait: the copy it published must run.
@@ -827,23 +655,3 @@ _END_OF = {
     # Sent on carrying its delivery count: copies with a lower count are stale.
     Outcome.REQUEUED: End.REQUEUED,
 }
-
-
-def run_key(job: Job) -> str:
-    """The attempt a delivery is of: the job id, its run (its first due time, which a
-    re-drive from the failed list sets anew) and the attempt number."""
-    return f"{job.id}/{math.floor(job.first_due.timestamp() * 1000)}/{job.attempt}"
-
-
-def first_run_key(job: Job) -> str:
-    """:func:`run_key` of the job's first run (its id carries that run's due time)."""
-    return f"{job.id}/{due_ms_of(job.id)}/{job.attempt}"
-
-
-def attempt_ended(state: str, outcome: str | None, attempts: int, attempt: int) -> bool:
-    """Whether a job's result says that its attempt number ``attempt`` ended: the job
-    ended (succeeded, failed, cancelled, dropped), or attempts up to this one started
-    and the last ended in a retry. A job read as running or pending has not. Pure."""
-    if state in (SUCCEEDED, FAILED, CANCELLED_STATE) or outcome == "dropped":
-        return True
-    return outcome == "retrying" and attempts >= attempt

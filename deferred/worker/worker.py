@@ -496,7 +496,7 @@ class Worker:
         self, queue: str, body: bytes, message_id: str | None, headers: dict[str, Any]
     ) -> None:
         """On the I/O thread: a message of a replaced queue goes on to ``queue`` (confirmed)."""
-        self.pipeline.forward(queue, body, message_id, headers)
+        self.pipeline.line.forward(queue, body, message_id, headers)
 
     def _hand_back_late(self, entry: Held) -> None:
         """On the holder's thread: a due job found no free thread in time."""
@@ -512,7 +512,7 @@ class Worker:
         """Give held jobs back to their queues for other workers (fresh, uncounted
         copies), then ack them; if that fails, requeue them (then they count)."""
         try:
-            handed = self.pipeline.hand_back(held)
+            handed = self.pipeline.line.hand_back(held)
         except BrokerError as exc:
             logger.warning(
                 "Could not hand back %d held job%s (%s); requeueing them instead.",
