@@ -15,6 +15,12 @@ class Recording(Observer):
     def outcome(self, task, queue, outcome, *, lateness_s=None, duration_s=None) -> None:
         self.calls.append(("outcome", task, queue, outcome, lateness_s, duration_s))
 
+    def attempt_started(self, job, at, *, redelivered) -> None:
+        self.calls.append(("attempt_started", job, at, redelivered))
+
+    def job_ended(self, job, outcome, at, *, value=None, error=None, reason=None) -> None:
+        self.calls.append(("job_ended", job, outcome, at, value, error, reason))
+
 
 def test_the_nine_outcomes_are_the_strings_the_log_and_the_metric_say():
     assert [str(o) for o in Outcome] == [
@@ -50,9 +56,13 @@ def test_observers_tell_each_observer_in_turn_and_skip_the_absent_ones():
     both.beat()  # neither overrides it: nothing happens, nothing raises
     both.started()
     both.finished()
+    both.attempt_started("job", "now", redelivered=True)
+    both.job_ended("job", Outcome.FAILED, "then", error="boom", reason="task_error")
     both.outcome("t", "default", Outcome.SUCCEEDED, lateness_s=0.01, duration_s=0.5)
     expected = [
         ("consuming", True),
+        ("attempt_started", "job", "now", True),
+        ("job_ended", "job", Outcome.FAILED, "then", None, "boom", "task_error"),
         ("outcome", "t", "default", Outcome.SUCCEEDED, 0.01, 0.5),
     ]
     assert first.calls == expected

@@ -565,13 +565,13 @@ def test_a_redelivered_attempt_is_not_cached_and_a_fresh_one_is(settings):
 
     def ran(redelivered: bool) -> Job:
         job = made()
-        recorder.started(job, utcnow(), redelivered=redelivered)
-        recorder.ended(job, "succeeded", utcnow(), value=1)
+        recorder.record_start(job, utcnow(), redelivered=redelivered)
+        recorder.record_end(job, "succeeded", utcnow(), value=1)
         return job
 
     fresh, again = ran(False), ran(True)
     dropped = made()
-    recorder.ended(dropped, "cancelled", utcnow())  # never started: cached all the same
+    recorder.record_end(dropped, "cancelled", utcnow())  # never started: cached all the same
     assert sorted(added) == sorted([fresh.id, dropped.id]) and again.id not in added
     assert not recorder._starts
 
@@ -609,3 +609,42 @@ def test_the_writer_wakes_for_a_delayed_record_due_before_it_would_wake():
         assert len(sent) == 2 and sent[1][1] == ["now"]
     finally:
         writer.stop(timeout=2)
+
+
+def test_the_recorder_as_an_observer_records_the_jobs_that_keep_results():
+    """The worker tells its observers, the recorder among them, what starts and ends;
+    the recorder writes the events a result reads, of the jobs that keep results."""
+    from deferred.core.jobs import utcnow
+    from deferred.core.outcomes import Observers, Outcome
+    from deferred.records.recording import Recorder
+
+    recorder = Recorder(get_settings(), "host:1")  # its writer not started: nothing sent
+    written: list[dict[str, Any]] = []
+    delayed: list[dict[str, Any]] = []
+    write, delay = recorder.writer.write, recorder.writer.delay
+
+    def spy_write(record: dict[str, Any]) -> Any:
+        written.append(record)
+        return write(record)
+
+    def spy_delay(key: str, record: dict[str, Any], seconds: float) -> None:
+        delayed.append(record)
+        delay(key, record, seconds)
+
+    recorder.writer.write = spy_write  # type: ignore[method-assign]
+    recorder.writer.delay = spy_delay  # type: ignore[method-assign]
+    told = Observers([recorder])
+
+    def job(name: str) -> Job:
+        now = utcnow()
+        return Job(id=new_job_id(now), task=name, args=(), kwargs={}, due=now, queue="q")
+
+    kept, unkept = job("tests.add"), job("tests.add_unrecorded")
+    for each in (kept, unkept):
+        told.attempt_started(each, utcnow(), redelivered=False)
+        told.job_ended(each, Outcome.RETRYING, utcnow(), error=ValueError("again"))
+    told.job_ended(kept, Outcome.RESCHEDULED, utcnow())  # no event: the job stays pending
+    told.started()  # the counting hooks are not the recorder's: nothing, no error
+    assert [(r["id"], r["ev"]) for r in delayed] == [(kept.id, "started")]
+    assert [(r["id"], r["ev"]) for r in written] == [(kept.id, "retrying")]
+    assert written[0]["err"]["type"].endswith("ValueError")

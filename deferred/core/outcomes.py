@@ -2,16 +2,20 @@
 
 One enum names the outcomes for the log line, the ``deferred_jobs_total``
 metric and the generated reference, so that the three cannot drift apart.
-Whoever watches the worker (the Prometheus metrics, the health file) is an
-:class:`Observer`: the worker tells its observers what happens, and knows
-nothing of what each does with it.
+Whoever watches the worker (the Prometheus metrics, the health file, the results
+recorder) is an :class:`Observer`: the worker tells its observers what happens,
+and knows nothing of what each does with it.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from datetime import datetime
 from enum import StrEnum
+from typing import Any
+
+from deferred.core.jobs import Job
 
 
 class Outcome(StrEnum):
@@ -103,6 +107,25 @@ class Observer:
         """A job ended: ``task`` is a task this worker knows, or ``unknown``;
         ``lateness_s`` and ``duration_s`` are given when its task ran."""
 
+    def attempt_started(self, job: Job, at: datetime, *, redelivered: bool) -> None:
+        """An attempt of ``job`` starts running at ``at`` (``redelivered``: the broker
+        delivered its message before). :meth:`started` counts; this names the job."""
+
+    def job_ended(
+        self,
+        job: Job,
+        outcome: Outcome,
+        at: datetime,
+        *,
+        value: Any = None,
+        error: BaseException | None = None,
+        reason: str | None = None,
+    ) -> None:
+        """``job`` ended with ``outcome`` at ``at``, just before :meth:`outcome` is told:
+        with what its task returned (``value``) or raised (``error``), and the failure's
+        ``reason``. :meth:`outcome` is for counts (its labels are bounded); this is for
+        a record of each job."""
+
 
 class Observers(Observer):
     """Several observers as one: each is told in turn."""
@@ -141,3 +164,20 @@ class Observers(Observer):
     ) -> None:
         for observer in self._all:
             observer.outcome(task, queue, outcome, lateness_s=lateness_s, duration_s=duration_s)
+
+    def attempt_started(self, job: Job, at: datetime, *, redelivered: bool) -> None:
+        for observer in self._all:
+            observer.attempt_started(job, at, redelivered=redelivered)
+
+    def job_ended(
+        self,
+        job: Job,
+        outcome: Outcome,
+        at: datetime,
+        *,
+        value: Any = None,
+        error: BaseException | None = None,
+        reason: str | None = None,
+    ) -> None:
+        for observer in self._all:
+            observer.job_ended(job, outcome, at, value=value, error=error, reason=reason)

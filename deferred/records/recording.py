@@ -16,6 +16,7 @@ from typing import Any
 from deferred import broker
 from deferred.conf import DeferredSettings
 from deferred.core.jobs import Job, due_of, utcnow
+from deferred.core.outcomes import Observer, Outcome
 from deferred.core.topology import RESULT_ROUTING_KEY, plan_topology
 from deferred.records import result_cache
 from deferred.records.result_format import (
@@ -33,8 +34,22 @@ from deferred.records.result_format import (
 MAX_STARTS = 10_000
 
 
-class Recorder:
-    """The worker's side: turns what happens to a job into records for the writer."""
+#: The outcomes a result records, as its events; the others leave the job pending.
+RESULT_EVENTS = {
+    Outcome.SUCCEEDED: "succeeded",
+    Outcome.FAILED: "failed",
+    Outcome.RETRYING: "retrying",
+    Outcome.CANCELLED: "cancelled",
+    Outcome.SUPERSEDED: "superseded",
+    Outcome.DROPPED: "dropped",
+}
+
+
+class Recorder(Observer):
+    """The worker's side: turns what happens to a job into records for the writer.
+
+    One of the worker's observers: told each attempt that starts and each job that
+    ends, it records those of jobs that keep results (:func:`keeps_result`)."""
 
     def __init__(self, settings: DeferredSettings, worker_id: str) -> None:
         self.settings = settings
@@ -74,9 +89,27 @@ class Recorder:
         if self.cache is not None:
             self.cache.stop()
 
-    def started(self, job: Job, at: datetime, *, redelivered: bool = False) -> None:
+    def attempt_started(self, job: Job, at: datetime, *, redelivered: bool) -> None:
+        if keeps_result(job):
+            self.record_start(job, at, redelivered=redelivered)
+
+    def job_ended(
+        self,
+        job: Job,
+        outcome: Outcome,
+        at: datetime,
+        *,
+        value: Any = None,
+        error: BaseException | None = None,
+        reason: str | None = None,
+    ) -> None:
+        event = RESULT_EVENTS.get(outcome)
+        if event is not None and keeps_result(job):
+            self.record_end(job, event, at, value=value, error=error, reason=reason)
+
+    def record_start(self, job: Job, at: datetime, *, redelivered: bool = False) -> None:
         """An attempt starts: its "started" record goes out ``STARTED_AFTER_S`` from now,
-        unless the attempt ended first and :meth:`ended` folded it into its own.
+        unless the attempt ended first and :meth:`record_end` folded it into its own.
 
         ``redelivered``: the broker delivered this message before, so another
         worker may be running the same attempt (its connection lost): the stream
@@ -98,7 +131,7 @@ class Recorder:
             self._starts[_attempt_key(job)] = None if redelivered else record
         self.writer.delay(_attempt_key(job), record, STARTED_AFTER_S)
 
-    def ended(
+    def record_end(
         self,
         job: Job,
         event: str,

@@ -63,7 +63,6 @@ from deferred.core.retries import Decision
 from deferred.core.topology import Plan
 from deferred.producer.tasks import UnknownTask, get_task
 from deferred.records import failures
-from deferred.records.recording import Recorder, keeps_result
 from deferred.records.runs import Claim, End, RecentRuns
 from deferred.worker import copies
 from deferred.worker.cancel_watch import CancelWatch
@@ -130,7 +129,7 @@ class Pipeline:
         observer: Observer,
         worker_id: str,
         watchdog: Watchdog | None = None,
-        results: Recorder | None = None,
+        results: bool = False,
         runs: RecentRuns[Delivery] | None = None,
         settle: Callable[[Delivery, End], None] | None = None,
     ) -> None:
@@ -143,7 +142,7 @@ class Pipeline:
         self.worker_id = worker_id
         #: Fires the attempts' time limits; without one, nothing is limited.
         self.watchdog = watchdog
-        #: Writes each job's start and outcome to the results stream; ``None``: off.
+        #: Whether results are written (by an observer): copies are then looked up in them.
         self.results = results
         #: The attempts this worker runs or ran lately; ``None``: copies are not looked for.
         self.runs = runs
@@ -173,7 +172,7 @@ class Pipeline:
                 return self._refuse(delivery, read)
             job = read
         seconds = self.hold_seconds(job) or (
-            0.0 if self.results is None else copies.copy_wait(delivery, job)
+            copies.copy_wait(delivery, job) if self.results else 0.0
         )
         if seconds:
             raise Hold(job, seconds)
@@ -231,7 +230,7 @@ class Pipeline:
         #: How the copies that joined this run are settled as it ends; None: not at all.
         others: End | None = End.FORGOTTEN
         try:
-            if self.results is not None and copies.ended_elsewhere(self.settings, delivery, job):
+            if self.results and copies.ended_elsewhere(self.settings, delivery, job):
                 outcome = self._duplicate(job, "elsewhere")
             else:
                 outcome = self._run(delivery, job)
@@ -295,8 +294,7 @@ class Pipeline:
         error: BaseException | None = None
         value: Any = None
         self.observer.started()
-        if self.results is not None and keeps_result(job):
-            self.results.started(job, started, redelivered=delivery.redelivered)
+        self.observer.attempt_started(job, started, redelivered=delivery.redelivered)
         watch = self._watch(job, delivery, task, lateness_ms, clock)
         owned = True
         try:
@@ -579,16 +577,15 @@ class Pipeline:
         error: BaseException | None = None,
         reason: str | None = None,
     ) -> Outcome:
-        """The job's log line, its outcome told to the observers (with its timings if
-        it ran) and, if it ends an attempt, to the results stream; returns ``outcome``.
+        """The job's log line and its outcome told to the observers: the job with what it
+        returned or raised (the results recorder writes it), then the outcome with its
+        timings if it ran (the metrics count it); returns ``outcome``.
 
         The job is acked as soon as this returns: its result record goes out
         within the results writer's ``LINGER_S``, with other jobs' records
         (:mod:`deferred.records.results` says what that costs and what it risks).
         """
-        event = _RESULT_EVENTS.get(outcome)
-        if event is not None and self.results is not None and keeps_result(job):
-            self.results.ended(job, event, utcnow(), value=value, error=error, reason=reason)
+        self.observer.job_ended(job, outcome, utcnow(), value=value, error=error, reason=reason)
         logger.log(
             outcome.level,
             JOB_LINE,
@@ -631,17 +628,6 @@ class Pipeline:
             if queue.name == ready_queue:
                 return name
         return UNKNOWN_TASK_LABEL
-
-
-#: The outcomes a result records, as its events; the others leave the job pending.
-_RESULT_EVENTS = {
-    Outcome.SUCCEEDED: "succeeded",
-    Outcome.FAILED: "failed",
-    Outcome.RETRYING: "retrying",
-    Outcome.CANCELLED: "cancelled",
-    Outcome.SUPERSEDED: "superseded",
-    Outcome.DROPPED: "dropped",
-}
 
 
 def _lateness_ms(job: Job) -> float:

@@ -159,10 +159,10 @@ class Worker:
         self.metrics = metrics
         #: A file touched while consuming (``--health-file``), if asked for.
         self.health = health
-        #: Told what the worker does: the metrics and the health file, if any.
-        self.observer = Observers([metrics, health])
         #: Writes each job's start and outcome to the results stream (``RESULTS``).
         self.results = Recorder(self.settings, self.worker_id) if self.settings.results else None
+        #: Told what the worker does: the metrics, the health file and the results, if any.
+        self.observer = Observers([metrics, health, self.results])
         #: What happens to each delivery, in the pool's threads.
         self.pipeline = Pipeline(
             self.settings,
@@ -172,7 +172,7 @@ class Worker:
             observer=self.observer,
             worker_id=self.worker_id,
             watchdog=self.watchdog,
-            results=self.results,
+            results=self.results is not None,
             runs=RecentRuns(),
             settle=self._settle_copy,
         )
