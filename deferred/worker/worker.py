@@ -44,7 +44,7 @@ import socket
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from types import FrameType
 from typing import Any, Protocol
 
@@ -110,16 +110,9 @@ class Worker:
         recycling: Recycling | None = None,
     ) -> None:
         self.settings = settings or get_settings()
-        names = list(queues or self.settings.queues)
-        unknown = [q for q in names if q not in self.settings.queues]
-        if unknown:
-            raise ValueError(
-                f"Queue{pluralize(len(unknown))} {', '.join(unknown)} not in DEFERRED['QUEUES'] "
-                f"{list(self.settings.queues)!r}."
-            )
+        self.queues = names = _known_queues(self.settings, queues)
         if concurrency < 1:
             raise ValueError(f"concurrency must be at least 1, got {concurrency}.")
-        self.queues = names
         #: Names this worker in django.tasks results (``worker_ids``) and in retried jobs.
         self.worker_id = f"{socket.gethostname()}:{os.getpid()}"
         self.concurrency = concurrency
@@ -238,87 +231,118 @@ class Worker:
         for service in beside:
             service.start()
         wait_s = RECONNECT_FIRST_S
+
+        def connected() -> None:  # the wait before a reconnection starts over
+            nonlocal wait_s
+            wait_s = RECONNECT_FIRST_S
+
         try:
             while not self._stopping.is_set():
                 try:
-                    if not self.settings.declare:
-                        verify_topology(self.settings.broker_urls, self.plan)
-                        # Its retries and reschedules need not check again.
-                        note_verified(self.settings)
-                        self._check_cancel_route()
-                    self.consumer.start(self._on_delivery)
-                    self._consuming(True)
-                    notices.forget()
-                    logger.info(
-                        "Worker consuming %s at %s with concurrency %d.",
-                        ", ".join(self.consumer.queues),
-                        self.consumer.node.address if self.consumer.node else "?",
-                        self.concurrency,
-                    )
-                    wait_s = RECONNECT_FIRST_S
-                    while not self._stopping.is_set():
-                        self.consumer.poll(self.poll_interval)
-                        self.observer.beat()
-                        self._check_recycling()
-                    self._consuming(False)
-                    self.consumer.cancel()
-                    self._hand_back_held()
-                    self._drain()
-                    self._settle_timed_out()
+                    self._consume(connected)
                 except (BrokerUnavailable, TopologyNotDeclared) as exc:
-                    self._consuming(False)
-                    if isinstance(exc, TopologyNotDeclared) and not self.settings.declare:
-                        logger.critical("Worker stopping: %s", exc)
-                        raise
-                    if self._stopping.is_set():
-                        if isinstance(exc, TopologyNotDeclared):
-                            logger.debug("Stopping, with no topology: %s", exc)
-                        else:
-                            logger.error("Broker lost while stopping: %s", exc)
+                    if not self._wait_to_reconnect(exc, wait_s):
                         break
-                    if isinstance(exc, TopologyNotDeclared):
-                        notices.topology_missing(exc)
-                    else:
-                        logger.error(
-                            "RabbitMQ unavailable: %s. Running jobs go on; their messages "
-                            "will be redelivered. Reconnecting in %.1f s.",
-                            exc,
-                            wait_s,
-                        )
-                    self._stopping.wait(wait_s)
                     wait_s = min(wait_s * 2, RECONNECT_CAP_S)
         finally:
-            self._consuming(False)
-            self._hand_back_held()
-            for service in beside:
-                service.stop()
-            # Every thread but one given up at a hard time limit: that one ends with the process.
-            # A given-up job not settled went back to RabbitMQ with a lost connection: it
-            # may run elsewhere now, so the stuck thread must end at once, and with it the
-            # other running jobs, whose deliveries went back too.
-            lost = bool(self._timed_out)
-            if lost:
-                logger.warning(
-                    "RabbitMQ took back %d job%s given up at the hard time limit with the "
-                    "lost connection: ending now, so that no copy runs beside the stuck "
-                    "thread (the running jobs go back too).",
-                    len(self._timed_out),
-                    pluralize(len(self._timed_out)),
-                )
-            self._executor.shutdown(wait=not lost)
-            self.watchdog.stop()
-            for service in reversed(for_jobs):
-                service.stop()
-            self.consumer.close()
-            self._restore_signals(previous)
-            if self.exit_status == WorkerExit.STOPPED:
-                logger.info("Worker stopped.")
+            self._shut_down(for_jobs, beside, previous)
+
+    def _consume(self, connected: Callable[[], None]) -> None:
+        """Connect, consume until :meth:`stop`, then hand back, drain and settle: one
+        connection's life (``connected()`` once it consumes). ``BrokerUnavailable`` or
+        ``TopologyNotDeclared`` if it ends early."""
+        if not self.settings.declare:
+            verify_topology(self.settings.broker_urls, self.plan)
+            # Its retries and reschedules need not check again.
+            note_verified(self.settings)
+            self._check_cancel_route()
+        self.consumer.start(self._on_delivery)
+        self._consuming(True)
+        notices.forget()
+        logger.info(
+            "Worker consuming %s at %s with concurrency %d.",
+            ", ".join(self.consumer.queues),
+            self.consumer.node.address if self.consumer.node else "?",
+            self.concurrency,
+        )
+        connected()
+        while not self._stopping.is_set():
+            self.consumer.poll(self.poll_interval)
+            self.observer.beat()
+            self._check_recycling()
+        self._consuming(False)
+        self.consumer.cancel()
+        self._hand_back_held()
+        self._drain()
+        self._settle_timed_out()
+
+    def _wait_to_reconnect(
+        self, exc: BrokerUnavailable | TopologyNotDeclared, wait_s: float
+    ) -> bool:
+        """Say why the connection ended and wait ``wait_s`` before the next one; whether
+        to reconnect (not while stopping). Raises a missing topology with ``DECLARE``
+        off: only the infrastructure can make it."""
+        self._consuming(False)
+        if isinstance(exc, TopologyNotDeclared) and not self.settings.declare:
+            logger.critical("Worker stopping: %s", exc)
+            raise exc
+        if self._stopping.is_set():
+            if isinstance(exc, TopologyNotDeclared):
+                logger.debug("Stopping, with no topology: %s", exc)
             else:
-                logger.warning(
-                    "Worker stopped for a fresh process (exit status %d, %s).",
-                    self.exit_status,
-                    self.exit_status.name,
-                )
+                logger.error("Broker lost while stopping: %s", exc)
+            return False
+        if isinstance(exc, TopologyNotDeclared):
+            notices.topology_missing(exc)
+        else:
+            logger.error(
+                "RabbitMQ unavailable: %s. Running jobs go on; their messages "
+                "will be redelivered. Reconnecting in %.1f s.",
+                exc,
+                wait_s,
+            )
+        self._stopping.wait(wait_s)
+        return True
+
+    def _shut_down(
+        self,
+        for_jobs: tuple[Service, ...],
+        beside: tuple[Service, ...],
+        previous: dict[int, Any],
+    ) -> None:
+        """Stop in order: the services beside the jobs, the jobs, then theirs."""
+        self._consuming(False)
+        self._hand_back_held()
+        for service in beside:
+            service.stop()
+        # Every thread but one given up at a hard time limit: that one ends with the process.
+        # A given-up job not settled went back to RabbitMQ with a lost connection: it
+        # may run elsewhere now, so the stuck thread must end at once, and with it the
+        # other running jobs, whose deliveries went back too.
+        lost = bool(self._timed_out)
+        if lost:
+            logger.warning(
+                "RabbitMQ took back %d job%s given up at the hard time limit with the "
+                "lost connection: ending now, so that no copy runs beside the stuck "
+                "thread (the running jobs go back too).",
+                len(self._timed_out),
+                pluralize(len(self._timed_out)),
+            )
+        assert self._executor is not None
+        self._executor.shutdown(wait=not lost)
+        self.watchdog.stop()
+        for service in reversed(for_jobs):
+            service.stop()
+        self.consumer.close()
+        self._restore_signals(previous)
+        if self.exit_status == WorkerExit.STOPPED:
+            logger.info("Worker stopped.")
+        else:
+            logger.warning(
+                "Worker stopped for a fresh process (exit status %d, %s).",
+                self.exit_status,
+                self.exit_status.name,
+            )
 
     def _end(self, status: WorkerExit, why: str) -> None:
         """Stop for a fresh process: ``status`` becomes the exit status (a time limit
@@ -683,6 +707,18 @@ def _rank(delivery: Delivery, job: Job | None) -> int:
     if job is not None:
         return job.priority
     return top_of(DEFAULT_LEVEL if delivery.priority is None else delivery.priority)
+
+
+def _known_queues(settings: DeferredSettings, queues: Iterable[str] | None) -> list[str]:
+    """``queues`` (default: all of ``DEFERRED['QUEUES']``); ``ValueError`` for one not there."""
+    names = list(queues or settings.queues)
+    unknown = [q for q in names if q not in settings.queues]
+    if unknown:
+        raise ValueError(
+            f"Queue{pluralize(len(unknown))} {', '.join(unknown)} not in DEFERRED['QUEUES'] "
+            f"{list(settings.queues)!r}."
+        )
+    return names
 
 
 def _legacy(plan: Plan, names: list[str]) -> dict[str, str]:
