@@ -7,7 +7,7 @@ Feeds bytes to ``deferred.core.intake.read`` (size, signature, job format) and t
 ``deferred.records.failures.parse_failed``, half of them with a valid signature so that
 the decoder behind the signature check is reached too. Any exception is a
 finding: both must map every input to a job or a reason. Not part of the test
-suite (the property-based tests in tests/test_intake.py are); atheris is not a
+suite (the property-based tests in tests/core/test_intake_logic.py are); atheris is not a
 dependency.
 """
 

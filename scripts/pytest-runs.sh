@@ -47,19 +47,19 @@ run() {
     "$@" || code=$?
     note "$code"
 }
-run "$@" -n "${PARALLEL:-3}" --dist loadfile --ignore=tests/test_cluster.py \
+run "$@" -n "${PARALLEL:-3}" --dist loadfile --ignore=tests/cluster/test_cluster.py \
     -m "$(both "not alone and not quiet")"
-run "$@" --ignore=tests/test_cluster.py -m "$(both quiet)"
+run "$@" --ignore=tests/cluster/test_cluster.py -m "$(both quiet)"
 # Run 3 writes to a file while run 4 writes here; its output follows run 4's.
 alone_log="$(mktemp)"
 trap 'rm -f "$alone_log"' EXIT
-"$@" --ignore=tests/test_cluster.py -m "$(both alone)" >"$alone_log" 2>&1 &
+"$@" --ignore=tests/cluster/test_cluster.py -m "$(both alone)" >"$alone_log" 2>&1 &
 alone=$!
 cluster_code=0
 if [ -n "$mark" ]; then
-    "$@" tests/test_cluster.py -m "$mark" || cluster_code=$?
+    "$@" tests/cluster/test_cluster.py -m "$mark" || cluster_code=$?
 else
-    "$@" tests/test_cluster.py || cluster_code=$?
+    "$@" tests/cluster/test_cluster.py || cluster_code=$?
 fi
 alone_code=0
 wait "$alone" || alone_code=$?

@@ -30,7 +30,7 @@ from deferred.broker import BrokerError, BrokerUnavailable, admin_channel, conne
 from deferred.conf import get_settings
 from deferred.core.topology import Plan, plan_topology, recorded_plan
 from deferred.worker import Worker
-from tests.cluster import Cluster, cluster_session
+from tests.cluster.nodes import Cluster, cluster_session
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -102,7 +102,7 @@ def fails_with(kind, message):
 
 
 # The reference suites' test tasks (Django's tests/tasks/tasks.py, django-tasks' tests/tasks.py),
-# for tests/test_django_tasks_reference.py.
+# for tests/django_tasks/test_reference.py.
 
 
 @task

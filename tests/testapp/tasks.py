@@ -199,7 +199,7 @@ async def explode_async(path: str, message: str) -> None:
     raise RuntimeError(message)
 
 
-# Time limits (tests/test_time_limits.py): 0.3 s each; the tests set a short grace.
+# Time limits (tests/worker/test_time_limits.py): 0.3 s each; the tests set a short grace.
 
 
 @task(name="tests.overrun", time_limit=0.3)

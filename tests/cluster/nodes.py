@@ -27,7 +27,7 @@ from deferred.broker.http_api import ManagementAPI
 from deferred.conf import get_settings
 from deferred.core.topology import Plan, plan_topology
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "local-cluster.sh"
 PORT = int(os.environ.get("DEFERRED_CLUSTER_PORT", "5681"))
 NODES = ("rabbit-a@localhost", "rabbit-b@localhost", "rabbit-c@localhost")

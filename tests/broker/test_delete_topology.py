@@ -13,8 +13,8 @@ from deferred import defer
 from deferred.conf import get_settings
 from deferred.core.topology import plan_topology
 from deferred.operate.removal import prefix_removal, topology_removal
+from tests.broker.test_declare import current_plan, own_prefix, run
 from tests.conftest import rabbitmqctl, wait_for
-from tests.test_declare import current_plan, own_prefix, run
 from tests.testapp.tasks import record
 
 

@@ -18,10 +18,10 @@ from deferred.broker import admin_channel
 from deferred.conf import get_settings
 from deferred.core.jobs import utcnow
 from deferred.core.topology import plan_topology
+from tests.broker.test_releases import broker_version, quorum_topology
 from tests.conftest import wait_for
-from tests.test_broker_releases import broker_version, quorum_topology
-from tests.test_holding import held_topology
 from tests.testapp.tasks import read_records, record, sleepy
+from tests.worker.test_holding import held_topology
 
 LOW, HIGH = 200, 10
 

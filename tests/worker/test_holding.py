@@ -73,7 +73,7 @@ def _route(plan: Plan, delay_ms: int, queue: str) -> tuple[str, int, int]:
         }
         if plan.ledger_queue is not None and exchange == plan.ingest_exchange:
             # A job that enters a delay queue is copied into the ledger too (not a place
-            # it waits in: tests/test_topology.py checks that copy).
+            # it waits in: tests/core/test_topology_logic.py checks that copy).
             found.discard(plan.ledger_queue.name)
         assert len(found) == 1, (delay_ms, exchange, key, found)
         (destination,) = found

@@ -26,7 +26,7 @@ from deferred.conf import get_settings
 from tests.conftest import wait_for
 from tests.testapp.tasks import read_records, record
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PORT = 5691
 URL = f"amqps://guest:guest@localhost:{PORT}/%2F"
 #: Where scripts/tls-node.sh keeps its certificates (in the folder of a

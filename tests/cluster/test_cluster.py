@@ -36,7 +36,14 @@ from deferred.cluster.repair import cli_dead_lettered
 from deferred.conf import get_settings
 from deferred.core.topology import plan_topology
 from deferred.worker import Worker
-from tests.cluster import NODES, URLS, cluster_settings, node_number, quorum_topology, worker_env
+from tests.cluster.nodes import (
+    NODES,
+    URLS,
+    cluster_settings,
+    node_number,
+    quorum_topology,
+    worker_env,
+)
 from tests.conftest import wait_for
 from tests.testapp.tasks import read_records, timed
 

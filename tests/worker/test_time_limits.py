@@ -19,7 +19,6 @@ from deferred.conf import get_settings
 from deferred.worker.exits import WorkerExit
 from deferred.worker.metrics import WorkerMetrics
 from tests.conftest import depth, rabbitmqctl, wait_for
-from tests.test_holding import held_topology
 from tests.testapp.tasks import (
     blocked,
     gil_hog,
@@ -35,6 +34,7 @@ from tests.testapp.tasks import (
     stubborn_retried,
     unlimited,
 )
+from tests.worker.test_holding import held_topology
 
 pytestmark = pytest.mark.usefixtures("clean")
 

@@ -26,7 +26,7 @@ from tests.testapp.tasks import record
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 Status = _api.TaskResultStatus
 
 #: A second process, with the same settings and PREFIX, that did not enqueue the task:
