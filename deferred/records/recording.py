@@ -181,7 +181,7 @@ class Recorder(Observer):
         started = None
         if key in self._starts:
             started = self._starts.pop(key)
-            if started is None:  # a redelivery (see started())
+            if started is None:  # a redelivery (see record_start())
                 return
         # else it never started: dropped as cancelled or superseded
         if not cacheable(record):

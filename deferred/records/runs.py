@@ -8,7 +8,7 @@ that same worker once it has reconnected. Without a memory of its own the
 worker runs it again, and a job that ran while the connection dropped twice
 runs three times. Two other copies have the same id and attempt: the copy a
 publish sends again when its connection is lost before the confirm, and the
-copy that carries a classic queue's delivery count (:mod:`deferred.worker.pipeline`),
+copy that carries a classic queue's delivery count (:mod:`deferred.worker.copies`),
 whose original may come back too.
 
 So each worker keeps, per attempt (job id, run, attempt number), what it did:
