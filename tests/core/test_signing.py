@@ -30,6 +30,7 @@ def clean(own_topology):
     the session's topology may come due meanwhile."""
     return own_topology
 
+
 SECRET_ARG = "arg-that-must-not-be-logged-7f3a"
 
 
