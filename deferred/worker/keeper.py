@@ -410,19 +410,27 @@ class Keeper:
                 raise Stopping
             self._publish_copy(entry, entry.due_ms - now_ms + FAR_COPY_LAG_MS)
         check_at = max((e.due_ms for e in near), default=now_ms) + self.check_after_ms
-        logger.warning(
-            "The broker restarted (between %s and %s): %d job%s may have been moving between "
-            "delay queues then. %d due later than %d s published again, to run once; the %d "
-            "due sooner are checked against the results as they come due, the last at %s.",
-            _iso(since_ms) if since_ms > 0 else "the ledger's start",
-            _iso(until_ms),
-            len(found),
-            "" if len(found) == 1 else "s",
-            len(far),
-            NEAR_MS // 1000,
-            len(near),
-            _iso(check_at),
-        )
+        if not found:
+            # A topology's first worker finds no "up" message either: not worth a warning.
+            logger.info(
+                "The broker started or restarted since %s: no job was moving between delay "
+                "queues then.",
+                _iso(since_ms) if since_ms > 0 else "this topology's ledger began",
+            )
+        else:
+            logger.warning(
+                "The broker restarted (between %s and %s): %d job%s may have been moving between "
+                "delay queues then. %d due later than %d s published again, to run once; the %d "
+                "due sooner are checked against the results as they come due, the last at %s.",
+                _iso(since_ms) if since_ms > 0 else "the ledger's start",
+                _iso(until_ms),
+                len(found),
+                "" if len(found) == 1 else "s",
+                len(far),
+                NEAR_MS // 1000,
+                len(near),
+                _iso(check_at),
+            )
         return Repair(
             since_ms,
             until_ms,

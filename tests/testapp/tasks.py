@@ -86,8 +86,9 @@ def on_other(path: str, label: str) -> None:
 def read_records(path: str) -> list[dict]:
     if not os.path.exists(path):
         return []
+    # A worker thread may be mid-write: a line without its newline is not out yet.
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        return [json.loads(line) for line in f if line.endswith("\n") and line.strip()]
 
 
 def _attempt() -> int:

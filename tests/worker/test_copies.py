@@ -57,13 +57,15 @@ def test_a_job_running_when_its_connection_drops_runs_once(own_topology, run_wor
     assert wait_for(
         lambda: worker.consumer.generation > generation and worker.consuming.is_set(), 30
     )
-    # RabbitMQ redelivers it to this worker while it still runs: the copy joins the run.
+    # RabbitMQ redelivers it to this worker while it still runs. The copy waits for
+    # the run's record (copies.REDELIVERED_WAIT_S from its delivery, which comes as
+    # late as the worker reconnects), then finds the attempt ran here: acked, not run.
     assert wait_for(lambda: any(r["event"] == "end" for r in read_records(records)), 10)
-    time.sleep(1.5)
+    assert wait_for(lambda: worker.outcomes["duplicate"] == 1, 15)
     assert [r["event"] for r in read_records(records)] == ["start", "end"]
     assert worker.outcomes["succeeded"] == 1
-    # The copy was acked with the run: once the worker stopped, nothing went back
-    # to the queue (the test's own connection was closed too: a new one looks).
+    # The copy was acked: once the worker stopped, nothing went back to the
+    # queue (the test's own connection was closed too: a new one looks).
     worker.stop()
     assert wait_for(lambda: not worker.consuming.is_set(), 10)
     # The count may lag the queue by a moment (RabbitMQ 4.3 counted the copy for up to
