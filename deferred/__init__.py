@@ -28,6 +28,8 @@ from deferred.producer.asynchronous import adefer, adefer_many
 from deferred.producer.publishing import defer, defer_many
 from deferred.producer.tasks import Task, task
 from deferred.records.cancels import cancel, cancel_many
+from deferred.records.changes import JobNotPending, reschedule, run_now
+from deferred.records.listing import pending
 from deferred.records.results import Result, aresult, result
 
 from deferred import testing  # isort: skip  # after the names it uses
@@ -36,6 +38,7 @@ __all__ = [
     "BrokerError",
     "BrokerUnavailable",
     "Exponential",
+    "JobNotPending",
     "MessageTooLarge",
     "PublishRefused",
     "Result",
@@ -54,7 +57,10 @@ __all__ = [
     "defer",
     "defer_many",
     "every",
+    "pending",
+    "reschedule",
     "result",
+    "run_now",
     "task",
     "testing",
 ]

@@ -185,6 +185,9 @@ class Job:
     priority: int = 0
     #: The debounce key (``deferred.core.keys``): only the latest job deferred with it runs.
     key: str | None = None
+    #: Set on a job that ``run_now()`` or ``reschedule()`` published again under its id
+    #: (``deferred.core.moves``): only the copy of the latest move runs.
+    gen: str | None = None
 
     @property
     def first_due(self) -> datetime:
@@ -214,6 +217,8 @@ class Job:
             data["priority"] = self.priority
         if self.key is not None:
             data["key"] = self.key
+        if self.gen is not None:
+            data["gen"] = self.gen
         return data
 
     def encode(self) -> bytes:
@@ -268,6 +273,7 @@ class Job:
                 occurrence=_moment(data, "occurrence") if "occurrence" in data else None,
                 priority=_typed(data, "priority", int) if "priority" in data else 0,
                 key=_typed(data, "key", str) if "key" in data else None,
+                gen=_typed(data, "gen", str) if "gen" in data else None,
             )
             if not -100 <= job.priority <= 100:
                 raise BrokenMessage(f"priority must be from -100 to 100, got {job.priority}")

@@ -46,6 +46,9 @@ class Outcome(StrEnum):
     #: A copy of an attempt that ran already (redelivered after a lost connection,
     #: or published twice): acked without running (``deferred.records.runs``).
     DUPLICATE = "duplicate"
+    #: A copy of a job that ``run_now()`` or ``reschedule()`` published again later:
+    #: acked without running; the moved copy runs (``deferred.core.moves``).
+    MOVED = "moved"
 
     @property
     def level(self) -> int:
@@ -64,6 +67,7 @@ _LEVELS = {
     Outcome.REQUEUED: logging.WARNING,
     Outcome.DROPPED: logging.WARNING,
     Outcome.DUPLICATE: logging.INFO,
+    Outcome.MOVED: logging.INFO,
 }
 
 #: The worker's line per job (logger ``deferred.worker``), then ``key=value`` extras:

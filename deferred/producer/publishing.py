@@ -136,7 +136,7 @@ def _headers(job: Job, wait_ms: int) -> dict[str, Any]:
     job the routing key that also puts a copy of it in the cancels stream
     (``BCC``, which the broker removes on delivery; ``deferred.core.keys``)."""
     headers: dict[str, Any] = dict(tracing.producer_headers(job, wait_ms))
-    if job.key is not None:
+    if job.key is not None or job.gen is not None:  # a moved job too (deferred.core.moves)
         headers["BCC"] = [CANCEL_ROUTING_KEY]
     return headers
 

@@ -40,6 +40,7 @@ from deferred.conf import DeferredSettings, get_settings
 from deferred.core import signing
 from deferred.core.jobs import BrokenMessage, Job, due_of, new_job_id, utcnow
 from deferred.core.keys import KeyView
+from deferred.core.moves import MoveView
 from deferred.core.topology import CANCEL_ROUTING_KEY, plan_topology
 
 logger = logging.getLogger("deferred.cancels")
@@ -182,14 +183,15 @@ def _json(body: bytes) -> object:
 
 
 def decode_record(body: bytes) -> tuple[list[str], datetime] | Job:
-    """A cancel record's ``(ids, at)``, or a keyed job (``deferred.core.keys``): the two
-    things the stream holds besides markers. ``ValueError`` for anything else."""
+    """A cancel record's ``(ids, at)``, or a keyed job (``deferred.core.keys``) or a
+    moved one (``deferred.core.moves``): the things the stream holds besides
+    markers. ``ValueError`` for anything else."""
     if b'"task"' in body:
         try:
             job = Job.decode(body)
         except BrokenMessage as exc:
             raise ValueError(f"not a job: {exc}") from None
-        if job.key is None:
+        if job.key is None and job.gen is None:
             raise ValueError(f"job {job.id} has no key: it has no business in the stream")
         return job
     return decode(body)
@@ -224,25 +226,35 @@ def expires(job_id: str, at: datetime, margin_s: float) -> float:
 
 class CancelView:
     """The cancels in force, in memory: job id -> when it may be forgotten; and the
-    debounce keys in force (``keys``), which live in the same stream."""
+    debounce keys (``keys``) and moves (``moves``) in force, which live in the
+    same stream."""
 
     def __init__(self, margin_s: float) -> None:
         self.margin_s = margin_s
         self._until: dict[str, float] = {}
         self.keys = KeyView(margin_s)
+        self.moves = MoveView(margin_s)
 
     def apply(self, record: tuple[list[str], datetime] | Job, now: float) -> None:
         """One record of the stream, read in the stream's order (``decode_record``)."""
         if isinstance(record, Job):
-            assert record.key is not None
-            self.keys.add(record.key, record.id, record.first_due.timestamp(), now)
+            if record.gen is not None:
+                self.moves.add(record.id, record.gen, record.due.timestamp(), now)
+                # A cancel made before the move holds until the moved copy is due.
+                if record.id in self._until:
+                    self._until[record.id] = max(
+                        self._until[record.id], self.moves.until(record.id)
+                    )
+            if record.key is not None:
+                self.keys.add(record.key, record.id, record.first_due.timestamp(), now)
         else:
             self.add(*record, now)
 
     def add(self, ids: Iterable[str], at: datetime, now: float) -> None:
         until = self._until
         for job_id in ids:
-            expiry = expires(job_id, at, self.margin_s)
+            # A moved job's cancel holds until its moved copy is due.
+            expiry = max(expires(job_id, at, self.margin_s), self.moves.until(job_id))
             if expiry > now and expiry > until.get(job_id, 0.0):
                 until[job_id] = expiry
 
@@ -257,7 +269,7 @@ class CancelView:
         expired = [job_id for job_id, until in self._until.items() if until <= now]
         for job_id in expired:
             del self._until[job_id]
-        return len(expired) + self.keys.sweep(now)
+        return len(expired) + self.keys.sweep(now) + self.moves.sweep(now)
 
 
 #: How long the status waits for a stream's first messages.

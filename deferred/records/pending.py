@@ -64,8 +64,11 @@ def find(
     *,
     now: datetime | None = None,
     timeout: float | None = None,
+    newest: bool = False,
 ) -> Found:
-    """The newest record of ``job_id`` in the ledger: the job as it was published.
+    """The first record of ``job_id`` in the ledger: the job as it was published; with
+    ``newest``, its newest record, the job as it now waits (a retry, a moved copy),
+    read to the end of the stream.
 
     ``Found(None)`` for an id that does not say when it was made (ids made
     before this release, a schedule's runs), with ``LEDGER = False``, or
@@ -86,7 +89,7 @@ def find(
         since_ms = max(since_ms, now_ms - LEDGER_KEEP_MS // 2 - CARRY_SLACK_MS)
     needle = f'"id":"{job_id}"'.encode()
     keys = settings.signing_keys if settings.signing else None
-    newest: list[Job] = []
+    found: list[Job] = []
 
     def on_message(body: bytes, headers: dict[str, Any]) -> bool:
         if needle not in body:
@@ -99,10 +102,10 @@ def find(
             return False
         if job.id != job_id:
             return False
-        newest[:] = [job]
+        found[:] = [job]
         # The first record found is the job as enqueued; a later one (a carried
-        # copy, a retry) says no more about a job that has not started.
-        return True
+        # copy, a retry, a move) is the job as it waits now.
+        return not newest
 
     reader = _reader(
         settings.broker_urls,
@@ -118,7 +121,7 @@ def find(
         is_marker=marker_of,
         timeout=settings.publish_timeout_s if timeout is None else timeout,
     )
-    job = newest[0] if newest else None
+    job = found[0] if found else None
     return Found(job, complete=end is not ReadEnd.OUT_OF_TIME)
 
 

@@ -103,6 +103,11 @@ class Recorder(Observer):
         error: BaseException | None = None,
         reason: str | None = None,
     ) -> None:
+        if outcome is Outcome.MOVED:
+            # The copy left behind by a move: where the moved copy's records are.
+            if isinstance(value, int) and keeps_result(job):
+                self.writer.write({"id": job.id, "ev": "moved", "at": at.timestamp(), "to": value})
+            return
         event = RESULT_EVENTS.get(outcome)
         if event is not None and keeps_result(job):
             self.record_end(job, event, at, value=value, error=error, reason=reason)

@@ -74,9 +74,9 @@ with ``DEFERRED['RESULTS'] = False``: then nothing is written.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from functools import lru_cache
 from typing import Any
 
@@ -223,15 +223,35 @@ def result(job_id: str, *, timeout: float | None = None) -> Result:
 def lookup(settings: DeferredSettings, job_id: str, *, timeout: float | None = None) -> Result:
     """:func:`result` under ``settings`` (the worker's, which may not be the project's)."""
     since = _since(job_id)
-    if _beyond_retention(job_id, settings) or since > utcnow():
-        # Not due yet: a worker writes its first record once the job is due.
+    if _beyond_retention(job_id, settings):
         return Result(id=job_id)
+    # Before the id's due time too: a job run_now() moved may have ended.
     cached = _from_cache(settings, job_id)
     if cached is not None:
         return cached
+    if since > utcnow():
+        # Not due yet: a worker writes its first record once the job is due.
+        return Result(id=job_id)
     records, complete = _read(settings, job_id, since, timeout)
+    to_ms = moved_to(records)
+    if to_ms is not None and to_ms / 1000 < since.timestamp():
+        # Moved earlier (deferred.core.moves): its run's records are from there on.
+        records, complete = _read(settings, job_id, _ms(to_ms - CLOCK_SLACK_S * 1000), timeout)
     found = fold(job_id, records)
     return found if complete else replace(found, complete=False)
+
+
+def moved_to(records: Iterable[dict[str, Any]]) -> int | None:
+    """Where the latest ``moved`` record among ``records`` says the job's run went (ms)."""
+    to = None
+    for record in records:
+        if record.get("ev") == "moved" and type(record.get("to")) is int:
+            to = record["to"]
+    return to
+
+
+def _ms(ms: float) -> datetime:
+    return datetime.fromtimestamp(ms / 1000, UTC)
 
 
 async def aresult(job_id: str, *, timeout: float | None = None) -> Result:
@@ -324,6 +344,29 @@ def started_attempts(settings: DeferredSettings, since: datetime, timeout: float
             f"Reading the results from {since.isoformat()} took more than {timeout:g} s."
         )
     return seen
+
+
+def each_record(
+    settings: DeferredSettings,
+    since: datetime,
+    on_record: Callable[[dict[str, Any]], None],
+    *,
+    timeout: float,
+) -> bool:
+    """Hand ``on_record`` every record written from ``since`` on, up to the end of the
+    stream; ``False`` if that took more than ``timeout`` (the records read so far
+    were handed over)."""
+    keys = settings.signing_keys if settings.signing else None
+
+    def on_message(body: bytes, headers: dict[str, Any]) -> bool:
+        for record in decode(body, headers, keys):
+            on_record(record)
+        return False
+
+    end = _reader(settings).read(
+        since, on_message, marker_body=encode_marker, is_marker=marker_of, timeout=timeout
+    )
+    return end is not ReadEnd.OUT_OF_TIME
 
 
 def _reader(settings: DeferredSettings) -> broker.ResultReader:

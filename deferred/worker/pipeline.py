@@ -45,6 +45,7 @@ results: if its attempt ended there, it is acked without running too.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -194,6 +195,12 @@ class Pipeline:
             return self._log(job, _lateness_ms(job), Outcome.CANCELLED, 0.0)
         # Read up to the same point: a later job of its key confirmed before
         # this one came due replaces it (deferred.core.keys).
+        # A copy a later run_now() or reschedule() replaced (deferred.core.moves).
+        if self.cancels.view.moves.is_stale(job.id, job.gen):
+            # Its "moved" record says where the run's records are (deferred.core.moves).
+            to_s = self.cancels.view.moves.due(job.id)
+            to_ms = None if to_s is None else math.floor(to_s * 1000)
+            return self._log(job, _lateness_ms(job), Outcome.MOVED, 0.0, value=to_ms)
         if job.key is not None and self.cancels.view.keys.is_superseded(job.id):
             return self._log(job, _lateness_ms(job), Outcome.SUPERSEDED, 0.0, f"key={job.key!r}")
         if self.runs is None:

@@ -1,0 +1,194 @@
+"""Which jobs are pending: the ledger's records, less what the other streams say ended.
+
+A job is pending from the moment its publish was confirmed until a worker
+starts it (or drops it: cancelled, superseded, moved). Three streams say so,
+and this module folds what was read of them into rows (:class:`PendingJob`):
+
+- the ledger (:mod:`deferred.core.ledger`): every copy of every job as it was
+  published. The newest record of an id is the job as it now waits (a retry,
+  a moved copy, a carried record); of a moved job, the copy of its latest move.
+- the results (:mod:`deferred.records.results`): a record when an attempt
+  starts (``STARTED_AFTER_S`` after, or with its end for a short one) and when
+  it ends. A job whose waiting attempt has a record there is running or done.
+- the cancels stream: the cancels, the debounce keys and the moves in force
+  (:class:`deferred.records.cancels.CancelView`).
+
+A job that keeps no results (``@task(result=False)``, ``RESULTS = False``)
+leaves no record when it runs: it is listed until it is due, and not after.
+
+Pure: the reads are :mod:`deferred.records.pending`'s.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from deferred.core.jobs import Job, due_ms_of
+
+#: How much of a job's arguments a row carries, as JSON: the whole of them up to
+#: this, a preview beyond (the job itself, in the ledger, keeps them all).
+PREVIEW_BYTES = 1000
+
+
+@dataclass(frozen=True)
+class Filter:
+    """What ``pending()`` and ``deferred_jobs list`` select: every field that is set must match."""
+
+    task: str | None = None
+    queue: str | None = None
+    key: str | None = None
+    due_after: datetime | None = None
+    due_before: datetime | None = None
+
+    def matches(self, job: Job) -> bool:
+        return (
+            (self.task is None or job.task == self.task)
+            and (self.queue is None or job.queue == self.queue)
+            and (self.key is None or job.key == self.key)
+            and (self.due_after is None or job.due >= self.due_after)
+            and (self.due_before is None or job.due < self.due_before)
+        )
+
+
+@dataclass(frozen=True)
+class PendingJob:
+    """One pending job, as listed: what it is, where it waits and when it is due."""
+
+    id: str
+    task: str
+    queue: str
+    priority: int
+    key: str | None
+    #: When it runs, at the earliest (UTC).
+    due: datetime
+    #: When ``defer()`` made it (UTC).
+    enqueued: datetime
+    attempt: int
+    #: Its arguments, whole if they fit in :data:`PREVIEW_BYTES` of JSON, else ``None``.
+    args: list[Any] | None
+    kwargs: dict[str, Any] | None
+    #: Its arguments as JSON, cut at :data:`PREVIEW_BYTES`.
+    preview: str
+    #: Whether ``run_now()`` or ``reschedule()`` moved it.
+    moved: bool = False
+
+    @property
+    def truncated(self) -> bool:
+        return self.args is None
+
+    def as_dict(self) -> dict[str, Any]:
+        """The row as ``--json`` prints it: times in ISO 8601, UTC."""
+        return {
+            "id": self.id,
+            "task": self.task,
+            "queue": self.queue,
+            "priority": self.priority,
+            "key": self.key,
+            "due": self.due.astimezone(UTC).isoformat(),
+            "enqueued": self.enqueued.astimezone(UTC).isoformat(),
+            "attempt": self.attempt,
+            "args": self.args,
+            "kwargs": self.kwargs,
+            "args_preview": self.preview,
+            "truncated": self.truncated,
+            "moved": self.moved,
+        }
+
+
+def row(job: Job) -> PendingJob:
+    """The row of a job waiting to run."""
+    call = json.dumps([list(job.args), job.kwargs], separators=(",", ":"), default=str)
+    whole = len(call.encode()) <= PREVIEW_BYTES
+    preview = call if whole else call.encode()[:PREVIEW_BYTES].decode(errors="ignore") + "…"
+    return PendingJob(
+        id=job.id,
+        task=job.task,
+        queue=job.queue,
+        priority=job.priority,
+        key=job.key,
+        due=job.due,
+        enqueued=job.created,
+        attempt=job.attempt,
+        args=list(job.args) if whole else None,
+        kwargs=dict(job.kwargs) if whole else None,
+        preview=preview,
+        moved=job.gen is not None,
+    )
+
+
+def run_of(job: Job) -> int | None:
+    """The run a results record names for ``job`` (``"run"``): ``None`` for the first
+    run, whose due time is the id's; a re-driven run's first due time (ms)."""
+    run = math.floor(job.first_due.timestamp() * 1000)
+    return None if run == due_ms_of(job.id) else run
+
+
+class Starts:
+    """What the results say of each job: the highest attempt of each run that has a
+    record (started or ended). Fed the records in any order."""
+
+    def __init__(self) -> None:
+        self._highest: dict[tuple[str, int | None], int] = {}
+
+    def add(self, record: dict[str, Any]) -> None:
+        job_id = record.get("id")
+        if not isinstance(job_id, str) or record.get("ev") not in RECORDED_EVENTS:
+            return
+        run = record.get("run")
+        attempt = record.get("a")
+        key = (job_id, run if isinstance(run, int) else None)
+        a = attempt if isinstance(attempt, int) else 1
+        if a > self._highest.get(key, 0):
+            self._highest[key] = a
+
+    def started(self, job: Job) -> bool:
+        """Whether the attempt ``job`` waits for started (or ended) somewhere."""
+        return self._highest.get((job.id, run_of(job)), 0) >= job.attempt
+
+
+#: The results events that mean an attempt began: a re-drive's "retrying" record,
+#: written as the job is published again, names no attempt and does not count.
+RECORDED_EVENTS = frozenset(
+    {"started", "succeeded", "failed", "retrying", "cancelled", "superseded", "dropped"}
+)
+
+
+def newest(jobs: Iterable[Job], latest_gen: Callable[[str], str | None]) -> dict[str, Job]:
+    """The job as it now waits, per id, from its ledger records in stream order: the
+    newest record, or for a moved job the newest record of its latest move
+    (``latest_gen(id)``, ``None`` when it was not moved)."""
+    out: dict[str, Job] = {}
+    for job in jobs:
+        gen = latest_gen(job.id)
+        if gen is not None and job.gen != gen:
+            out.setdefault(job.id, job)  # an older copy: only if nothing better comes
+            continue
+        out[job.id] = job
+    return out
+
+
+def is_pending(
+    job: Job,
+    *,
+    starts: Starts,
+    cancelled: Callable[[str], bool],
+    superseded: Callable[[str], bool],
+    now: datetime,
+    keeps_result: Callable[[Job], bool],
+) -> bool:
+    """Whether ``job`` (its newest record) still waits to run."""
+    if cancelled(job.id) or superseded(job.id) or starts.started(job):
+        return False
+    # Without results nothing says it ran: listed until it is due.
+    return keeps_result(job) or job.due > now
+
+
+def select(jobs: Iterable[Job], where: Filter, limit: int | None) -> list[PendingJob]:
+    """The rows of ``jobs`` that match ``where``, soonest due first, at most ``limit``."""
+    chosen = sorted((j for j in jobs if where.matches(j)), key=lambda j: (j.due, j.id))
+    return [row(j) for j in (chosen if limit is None else chosen[:limit])]

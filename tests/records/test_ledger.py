@@ -1,0 +1,178 @@
+"""The job ledger against the real broker: list what is pending, run it now, move it, cancel it.
+
+Each test has a topology of its own: a listing reads the whole ledger, and the
+session's topology holds the jobs of every other test.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+import deferred
+from deferred import JobNotPending, cancel, defer, pending, reschedule, run_now
+from deferred.core.jobs import new_job_id
+from tests.conftest import wait_for
+from tests.testapp.tasks import on_other, read_records, record, timed
+
+
+def ids(rows) -> list[str]:
+    return [r.id for r in rows]
+
+
+def test_pending_lists_each_waiting_job_soonest_first_with_what_it_is(own_topology, records):
+    late = defer(record, 90, records, "late")
+    soon = defer(timed, 30, records, "soon")
+    other = defer(on_other, 60, records, "other")
+    keyed = defer(record.using(key="cart:7", priority=5), 45, records, "keyed")
+    before = datetime.now(UTC)
+
+    rows = pending()
+    assert ids(rows) == [soon, keyed, other, late]
+    first = rows[0]
+    assert first.task == "tests.timed" and first.queue == "default" and first.attempt == 1
+    assert first.args == [records, "soon"] and first.kwargs == {} and not first.truncated
+    assert before + timedelta(seconds=25) < first.due <= before + timedelta(seconds=31)
+    assert first.enqueued <= before
+    by_id = {r.id: r for r in rows}
+    assert by_id[keyed].key == "cart:7" and by_id[keyed].priority == 5
+    assert by_id[other].queue == "other"
+    as_json = by_id[keyed].as_dict()
+    assert as_json["due"].endswith("+00:00") and as_json["id"] == keyed
+
+    assert ids(pending(task="tests.timed")) == [soon]
+    assert ids(pending(queue="other")) == [other]
+    assert ids(pending(key="cart:7")) == [keyed]
+    assert ids(pending(due_after=before + timedelta(seconds=50))) == [other, late]
+    assert ids(pending(due_before=before + timedelta(seconds=50))) == [soon, keyed]
+    assert ids(pending(limit=2)) == [soon, keyed]
+    assert pending(task="no.such.task") == []
+
+
+def test_a_job_leaves_the_list_when_it_runs_is_cancelled_or_superseded(
+    own_topology, run_worker, records
+):
+    ran = defer(record, 0.2, records, "ran")
+    cancelled = defer(record, 60, records, "cancelled")
+    old = defer(record.using(key="digest"), 60, records, "old")
+    assert old not in ids(pending())  # superseded at once by "new"
+    new = defer(record.using(key="digest"), 60, records, "new")
+    waiting = defer(record, 60, records, "waiting")
+    # A later job of its key superseded "old" as soon as it was deferred.
+    assert set(ids(pending())) == {ran, cancelled, new, waiting}, pending()
+    cancel(cancelled)
+    run_worker()
+    assert wait_for(lambda: len(read_records(records)) == 1, 10)
+    # The run's record reaches the results within the writer's linger.
+    assert wait_for(lambda: set(ids(pending())) == {new, waiting}, 10), ids(pending())
+
+
+def test_big_arguments_are_listed_as_a_preview(own_topology, records):
+    job = defer(record, 60, records, "x" * 5000)
+    (row,) = pending()
+    assert row.id == job and row.truncated and row.args is None
+    assert row.preview.startswith(f'[["{records}","xxx') and len(row.preview) < 1100
+
+
+def test_bad_filters_are_refused(own_topology):
+    with pytest.raises(ValueError):
+        pending(due_after=datetime(2030, 1, 1))  # naive
+    with pytest.raises(TypeError):
+        pending(task=3)
+    with pytest.raises(ValueError):
+        pending(limit=0)
+
+
+def test_run_now_runs_the_job_at_once_and_once(own_topology, run_worker, records):
+    job = defer(timed, 3, records, "now")
+    worker = run_worker()
+    asked = time.time()
+    run_now(job)
+    assert wait_for(lambda: len(read_records(records)) == 1, 5)
+    (run,) = read_records(records)
+    assert run["job"] == job and run["at"] - asked < 3
+    # The copy it had in the delay line comes due, and is dropped.
+    assert wait_for(lambda: worker.outcomes["moved"] == 1, 10)
+    time.sleep(0.3)
+    assert len(read_records(records)) == 1
+    assert deferred.result(job).state == "succeeded"
+
+
+def test_reschedule_moves_the_job_later_never_before_the_new_time(
+    own_topology, run_worker, records
+):
+    job = defer(timed, 0.5, records, "moved")
+    new_due = reschedule(job, 2.0)
+    (row,) = pending()
+    assert row.id == job and row.moved and abs((row.due - new_due).total_seconds()) < 0.01
+    worker = run_worker()
+    assert wait_for(lambda: worker.outcomes["moved"] == 1, 5)
+    assert read_records(records) == []
+    assert wait_for(lambda: len(read_records(records)) == 1, 5)
+    (run,) = read_records(records)
+    assert run["job"] == job
+    assert run["at"] >= new_due.timestamp(), "ran before its new time"
+    assert run["due"] == pytest.approx(new_due.timestamp(), abs=0.01)
+    assert wait_for(lambda: pending() == [], 5)
+
+
+def test_a_cancel_after_a_reschedule_holds_until_the_new_time(
+    own_topology, run_worker, records
+):
+    job = defer(timed, 0.3, records, "cancelled")
+    reschedule(job, timedelta(seconds=1.5))
+    cancel(job)
+    worker = run_worker()
+    # The cancel names the job: both its copies are dropped as they come due.
+    assert wait_for(lambda: worker.outcomes["cancelled"] == 2, 6)
+    time.sleep(0.5)
+    assert read_records(records) == []
+    assert pending() == []
+
+
+@pytest.mark.parametrize("ahead", [0.6, 0.45, 0.3])
+def test_a_move_that_meets_the_jobs_due_time_runs_it_once(
+    own_topology, run_worker, records, ahead
+):
+    # run_now() this long before the job is due: its look and publish take about as
+    # long, so the old copy starts before, during or after the move.
+    worker = run_worker(concurrency=2)
+    job = defer(timed, 0.8, records, "race")
+    time.sleep(0.8 - ahead)
+    try:
+        run_now(job)
+        moved = True
+    except JobNotPending as exc:  # it started before the look: nothing was published
+        assert exc.state == "started"
+        moved = False
+    assert wait_for(lambda: len(read_records(records)) >= 1, 5)
+    if moved:
+        # Its other copy is dropped: as moved, or as a duplicate of the run.
+        assert wait_for(lambda: worker.outcomes["moved"] + worker.outcomes["duplicate"] == 1, 10)
+    time.sleep(2.5)  # a moved copy waits COPY_WAIT_S before its look-up
+    assert len(read_records(records)) == 1
+    assert worker.outcomes["succeeded"] == 1
+
+
+def test_a_job_that_ran_or_never_was_cannot_be_moved(own_topology, run_worker, records):
+    job = defer(record, 0, records, "ran")
+    run_worker()
+    assert wait_for(lambda: len(read_records(records)) == 1, 5)
+    time.sleep(0.5)  # its result record is out
+    with pytest.raises(JobNotPending) as raised:
+        run_now(job)
+    assert raised.value.state == "started"
+    with pytest.raises(JobNotPending) as raised:
+        reschedule(new_job_id(datetime.now(UTC) + timedelta(hours=1)), 5)
+    assert raised.value.state == "unknown"
+    with pytest.raises(ValueError):
+        reschedule("not-an-id", 5)
+    with pytest.raises((TypeError, ValueError)):
+        reschedule(job, "soon")
+    cancelled = defer(record, 60, records, "c")
+    cancel(cancelled)
+    with pytest.raises(JobNotPending) as raised:
+        reschedule(cancelled, 5)
+    assert raised.value.state == "cancelled"
