@@ -57,8 +57,8 @@ def test_a_job_leaves_the_list_when_it_runs_is_cancelled_or_superseded(
     ran = defer(record, 0.2, records, "ran")
     cancelled = defer(record, 60, records, "cancelled")
     old = defer(record.using(key="digest"), 60, records, "old")
-    assert old not in ids(pending())  # superseded at once by "new"
     new = defer(record.using(key="digest"), 60, records, "new")
+    assert old not in ids(pending())  # superseded at once by "new"
     waiting = defer(record, 60, records, "waiting")
     # A later job of its key superseded "old" as soon as it was deferred.
     assert set(ids(pending())) == {ran, cancelled, new, waiting}, pending()
