@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Callable
+from datetime import datetime, timedelta
 
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import CommandError
+from django.utils import timezone
 
 from deferred.conf import DeferredSettings, get_settings
 
@@ -34,3 +37,33 @@ def seconds(minimum: float) -> Callable[[str], float]:
         return number
 
     return parse
+
+
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def moment(value: str) -> datetime:
+    """An argparse ``type``: a moment, as ISO 8601 (``2026-12-01T18:00``; without a zone,
+    in Django's ``TIME_ZONE``), ``now``, or from now: ``+90s``, ``-5m``, ``+2h``, ``+1d``."""
+    text = value.strip()
+    now = timezone.now()
+    if text == "now":
+        return now
+    if text[:1] in "+-" and text[-1:] in _UNITS:
+        try:
+            amount = float(text[1:-1])
+        except ValueError:
+            amount = float("nan")
+        if math.isfinite(amount):
+            sign = -1 if text[0] == "-" else 1
+            return now + timedelta(seconds=sign * amount * _UNITS[text[-1]])
+    try:
+        parsed = datetime.fromisoformat(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is not a moment: give ISO 8601 (2026-12-01T18:00, 2026-12-01T18:00Z), "
+            "now, or an offset from now (+90s, -5m, +2h, +1d)"
+        ) from None
+    if parsed.tzinfo is None:
+        parsed = timezone.make_aware(parsed)
+    return parsed

@@ -6,10 +6,13 @@ session's topology holds the jobs of every other test.
 
 from __future__ import annotations
 
+import json
 import time
 from datetime import UTC, datetime, timedelta
+from io import StringIO
 
 import pytest
+from django.core.management import CommandError, call_command
 
 import deferred
 from deferred import JobNotPending, cancel, defer, pending, reschedule, run_now
@@ -118,9 +121,7 @@ def test_reschedule_moves_the_job_later_never_before_the_new_time(
     assert wait_for(lambda: pending() == [], 5)
 
 
-def test_a_cancel_after_a_reschedule_holds_until_the_new_time(
-    own_topology, run_worker, records
-):
+def test_a_cancel_after_a_reschedule_holds_until_the_new_time(own_topology, run_worker, records):
     job = defer(timed, 0.3, records, "cancelled")
     reschedule(job, timedelta(seconds=1.5))
     cancel(job)
@@ -133,9 +134,7 @@ def test_a_cancel_after_a_reschedule_holds_until_the_new_time(
 
 
 @pytest.mark.parametrize("ahead", [0.6, 0.45, 0.3])
-def test_a_move_that_meets_the_jobs_due_time_runs_it_once(
-    own_topology, run_worker, records, ahead
-):
+def test_a_move_that_meets_the_jobs_due_time_runs_it_once(own_topology, run_worker, records, ahead):
     # run_now() this long before the job is due: its look and publish take about as
     # long, so the old copy starts before, during or after the move.
     worker = run_worker(concurrency=2)
@@ -176,3 +175,59 @@ def test_a_job_that_ran_or_never_was_cannot_be_moved(own_topology, run_worker, r
     with pytest.raises(JobNotPending) as raised:
         reschedule(cancelled, 5)
     assert raised.value.state == "cancelled"
+
+
+def jobs_command(*args: str) -> str:
+    out = StringIO()
+    call_command("deferred_jobs", *args, stdout=out)
+    return out.getvalue()
+
+
+def test_the_command_lists_shows_and_filters(own_topology, records):
+    soon = defer(timed, 30, records, "soon")
+    later = defer(on_other, 60, records, "later")
+    listed = json.loads(jobs_command("list", "--json"))
+    assert [r["id"] for r in listed] == [soon, later]
+    assert set(listed[0]) >= {"id", "task", "queue", "priority", "key", "due", "enqueued", "args"}
+    assert listed[0]["args"] == [records, "soon"] and listed[0]["kwargs"] == {}
+    assert datetime.fromisoformat(listed[0]["due"]).utcoffset() == timedelta(0)
+    assert [r["id"] for r in json.loads(jobs_command("list", "--json", "--queue", "other"))] == [
+        later
+    ]
+    assert json.loads(jobs_command("list", "--json", "--due-after", "+45s")) == [listed[1]]
+    assert json.loads(jobs_command("list", "--json", "--due-before", "+45s")) == [listed[0]]
+    text = jobs_command("list", "--limit", "1")
+    assert soon in text and later not in text and "the first 1" in text
+    shown = json.loads(jobs_command("show", soon, "--json"))
+    assert shown["state"] == "pending" and shown["job"]["task"] == "tests.timed"
+    assert f"job {soon}: pending" in jobs_command("show", soon)
+    with pytest.raises(CommandError, match="not a job id"):
+        jobs_command("show", "nope")
+    with pytest.raises(CommandError, match="No job"):
+        jobs_command("show", new_job_id(datetime.now(UTC) + timedelta(hours=1)))
+    with pytest.raises(CommandError):
+        jobs_command("list", "--due-after", "tomorrowish")
+
+
+def test_the_command_moves_and_cancels_by_filter(own_topology, run_worker, records):
+    a = defer(record, 60, records, "a")
+    b = defer(record, 60, records, "b")
+    keep = defer(on_other, 60, records, "keep")
+    out = jobs_command("cancel", "--task", "tests.testapp.tasks.record", "--dry-run")
+    assert "Would cancel 2 pending jobs" in out and a in out and b in out
+    assert len(pending()) == 3
+    with pytest.raises(CommandError, match="Say which jobs"):
+        jobs_command("cancel")
+    with pytest.raises(CommandError, match="without confirmation"):
+        jobs_command("cancel", "--task", "tests.testapp.tasks.record")  # not a terminal
+    assert "Cancelled 2 pending jobs" in jobs_command(
+        "cancel", "--task", "tests.testapp.tasks.record", "--yes"
+    )
+    assert ids(pending()) == [keep]
+    out = jobs_command("reschedule", keep, "--in", "1")
+    assert keep in out and "due" in out
+    worker = run_worker()
+    assert wait_for(lambda: [r["label"] for r in read_records(records)] == ["keep"], 5)
+    with pytest.raises(CommandError, match="not pending"):
+        jobs_command("run-now", a)
+    assert worker.outcomes["succeeded"] == 1
