@@ -18,6 +18,8 @@ urlpatterns = [
     path("failed/retry/", admin.site.admin_view(views.retry), name="retry"),
     path("failed/purge/", admin.site.admin_view(views.purge), name="purge"),
     path("cancel/", admin.site.admin_view(views.cancel), name="cancel"),
+    path("pending/move/", admin.site.admin_view(views.move), name="move"),
+    path("pending/cancel/", admin.site.admin_view(views.cancel_pending), name="cancel_pending"),
     # Not an admin view: Prometheus does not log in (see DEFERRED['METRICS_TOKEN']).
     path("metrics/", views.metrics, name="metrics"),
 ]

@@ -14,13 +14,17 @@ from __future__ import annotations
 
 import ipaddress
 import json
+from datetime import UTC, datetime, timedelta
 from typing import Any
+from urllib.parse import urlencode
 
 from django.contrib import admin, messages
 from django.contrib.admin.views.decorators import staff_member_required
 from django.http import Http404, HttpRequest, HttpResponse, HttpResponseNotAllowed
 from django.shortcuts import redirect, render
+from django.utils import timezone
 from django.utils.crypto import constant_time_compare
+from django.utils.http import url_has_allowed_host_and_scheme
 from django.utils.translation import ngettext
 from django.views.decorators.cache import never_cache
 from django.views.decorators.csrf import csrf_exempt
@@ -28,10 +32,16 @@ from django.views.decorators.http import require_GET, require_POST
 
 from deferred.broker import BrokerError
 from deferred.conf import get_settings
+from deferred.core.pending_jobs import row
 from deferred.operate import status, status_text
-from deferred.records import cancels, failures, results
+from deferred.records import cancels, changes, failures, listing, results
 from deferred.records.result_format import SUCCEEDED
 from deferred.worker.metrics import MetricsError
+
+#: Pending jobs a page of the "Pending jobs" section shows.
+PAGE_SIZE = 25
+#: How long the section's read of the ledger may take before the page says so.
+PENDING_TIMEOUT_S = 10.0
 
 #: The chart's drawing area, in SVG user units.
 CHART_WIDTH, CHART_HEIGHT, CHART_BAR = 640, 220, 64
@@ -99,8 +109,63 @@ def status_page(request: HttpRequest) -> HttpResponse:
         cluster_nodes=_cluster_nodes(snapshot),
         result_ttl=status_text.format_duration(snapshot.result_ttl_ms),
         **_looked_up(request),
+        **_pending_section(request, settings),
     )
     return render(request, "deferred/status.html", context)
+
+
+def _pending_section(request: HttpRequest, settings: Any) -> dict[str, Any]:
+    """The "Pending jobs" section: one page of the jobs the filters select, soonest first."""
+    if not settings.ledger:
+        return {"pending_off": True}
+    form = {name: request.GET.get(f"p_{name}", "").strip() for name in PENDING_FILTERS}
+    try:
+        page = max(1, int(request.GET.get("p_page", "1")))
+    except ValueError:
+        page = 1
+    try:
+        rows = listing.pending(
+            task=form["task"] or None,
+            queue=form["queue"] or None,
+            due_after=_moment(form["after"], "Due after"),
+            due_before=_moment(form["before"], "Due before"),
+            limit=page * PAGE_SIZE + 1,
+            timeout=PENDING_TIMEOUT_S,
+        )
+    except (TypeError, ValueError) as exc:
+        return {"pending_form": form, "pending_error": str(exc)}
+    except BrokerError as exc:
+        return {"pending_form": form, "pending_error": f"The ledger cannot be read: {exc}"}
+    shown = rows[(page - 1) * PAGE_SIZE : page * PAGE_SIZE]
+    query = {f"p_{name}": value for name, value in form.items() if value}
+    return {
+        "pending_form": form,
+        "pending_rows": shown,
+        "pending_page": page,
+        "pending_first": (page - 1) * PAGE_SIZE + 1,
+        "pending_last": (page - 1) * PAGE_SIZE + len(shown),
+        "time_zone": timezone.get_current_timezone_name(),
+        "pending_next": urlencode({**query, "p_page": page + 1})
+        if len(rows) > page * PAGE_SIZE
+        else None,
+        "pending_previous": urlencode({**query, "p_page": page - 1}) if page > 1 else None,
+        "queues": settings.queues,
+    }
+
+
+#: The section's filters, as the page's GET parameters name them (``p_task``...).
+PENDING_FILTERS = ("task", "queue", "after", "before")
+
+
+def _moment(text: str, label: str) -> datetime | None:
+    """A filter's moment: ISO 8601 (in ``TIME_ZONE`` when it names no zone), or nothing."""
+    if not text:
+        return None
+    try:
+        moment = datetime.fromisoformat(text)
+    except ValueError:
+        raise ValueError(f"{label}: {text!r} is not a date and time (2026-12-01 18:00).") from None
+    return moment if moment.tzinfo else timezone.make_aware(moment)
 
 
 def _looked_up(request: HttpRequest) -> dict[str, Any]:
@@ -122,7 +187,16 @@ def _looked_up(request: HttpRequest) -> dict[str, Any]:
     value = None
     if found.state == SUCCEEDED and found.value_kept:
         value = json.dumps(found.value, indent=2, sort_keys=True)
-    return {"lookup_id": job_id, "lookup": found, "lookup_value": value}
+    waiting = None
+    if found.outcome is None and get_settings().ledger:
+        # Not started: the ledger says whether it waits, and for what.
+        try:
+            look = changes.look(get_settings(), job_id, timeout=PENDING_TIMEOUT_S)
+        except BrokerError:
+            look = None
+        if look is not None and look.state == "pending" and look.job is not None:
+            waiting = row(look.job)
+    return {"lookup_id": job_id, "lookup": found, "lookup_value": value, "lookup_job": waiting}
 
 
 def _cluster_nodes(snapshot: status.Snapshot) -> list[dict[str, Any]]:
@@ -242,6 +316,65 @@ def cancel(request: HttpRequest) -> HttpResponse:
             fail_silently=True,
         )
     return redirect("deferred:status")
+
+
+@staff_member_required
+@require_POST
+def move(request: HttpRequest) -> HttpResponse:
+    """Run a pending job now, or move it: ``in`` seconds from now, or ``by`` seconds
+    later than it is due (the demo's "postpone")."""
+    job_id = request.POST.get("id", "").strip()
+    try:
+        if request.POST.get("by"):
+            by = timedelta(seconds=float(request.POST["by"]))
+            found = changes.look(get_settings(), job_id)
+            if found.state != "pending" or found.job is None:
+                raise changes.JobNotPending(job_id, found.state)
+            due = changes.reschedule(job_id, found.job.due + by)
+        else:
+            due = changes.reschedule(job_id, float(request.POST.get("in") or 0))
+    except (TypeError, ValueError, OverflowError) as exc:  # JobNotPending too
+        messages.error(request, f"Nothing was moved: {exc}", fail_silently=True)
+    except BrokerError as exc:
+        messages.error(request, f"The move may not have been taken: {exc}", fail_silently=True)
+    else:
+        when = due.astimezone(UTC)
+        messages.success(
+            request, f"Job {job_id} is due {when:%Y-%m-%d %H:%M:%S} UTC.", fail_silently=True
+        )
+    return _back(request)
+
+
+def _back(request: HttpRequest) -> HttpResponse:
+    """To the page the form was on (``next``, on this site only), else the status page."""
+    target = request.POST.get("next", "")
+    if target and url_has_allowed_host_and_scheme(
+        target, allowed_hosts={request.get_host()}, require_https=request.is_secure()
+    ):
+        return redirect(target)
+    return redirect("deferred:status")
+
+
+@staff_member_required
+@require_POST
+def cancel_pending(request: HttpRequest) -> HttpResponse:
+    """Cancel the pending jobs the section's filters select, once confirmed on a page."""
+    if request.POST.get("confirmed") == "yes":
+        return cancel(request)
+    form = {name: request.POST.get(f"p_{name}", "").strip() for name in PENDING_FILTERS}
+    try:
+        rows = listing.pending(
+            task=form["task"] or None,
+            queue=form["queue"] or None,
+            due_after=_moment(form["after"], "Due after"),
+            due_before=_moment(form["before"], "Due before"),
+            limit=None,
+        )
+    except (TypeError, ValueError, BrokerError) as exc:
+        messages.error(request, f"Nothing was cancelled: {exc}", fail_silently=True)
+        return redirect("deferred:status")
+    context = _context(request, title="Cancel pending jobs?", chosen=rows, form=form)
+    return render(request, "deferred/cancel_confirm.html", context)
 
 
 @csrf_exempt  # a machine's GET with a bearer token: no cookie, nothing changes
