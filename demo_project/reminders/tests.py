@@ -402,3 +402,39 @@ def test_digest_clicks_are_debounced_by_the_worker(client: Client, monkeypatch) 
     latest = ChangeRequest.objects.order_by("-pk")[0]
     assert set(ChangeRequest.objects.values_list("sent_by", flat=True)) == {latest.job_id}
     assert worker.outcomes["succeeded"] == 1
+
+
+# Needs RabbitMQ: the page lists the jobs the ledger says are waiting, and moves them.
+@pytest.mark.django_db(transaction=True)
+def test_waiting_reminders_come_from_the_ledger_and_can_be_sent_now_or_postponed(
+    client: Client,
+) -> None:
+    from deferred import pending
+
+    with running_worker():
+        client.post("/", {"message": "send me now", "delay_seconds": "60"})
+        client.post("/", {"message": "later please", "delay_seconds": "60"})
+        now_one = Reminder.objects.get(message="send me now")
+        later = Reminder.objects.get(message="later please")
+        page = client.get("/").content.decode()
+        for reminder in (now_one, later):
+            assert f'data-job="{reminder.job_id}"' in page
+            assert f'action="/jobs/{reminder.job_id}/send-now"' in page
+        assert client.post(f"/jobs/{now_one.job_id}/send-now").status_code == 302
+        assert wait_for(lambda: Reminder.objects.get(pk=now_one.pk).ran_at is not None, 10)
+        due_before = later.due_at
+        assert client.post(f"/jobs/{later.job_id}/postpone").status_code == 302
+        later.refresh_from_db()
+        # A minute later, rounded up to the topology's resolution (1 ms).
+        moved_by = (later.due_at - due_before).total_seconds()
+        assert 60 <= moved_by < 60.002
+        (row,) = [j for j in pending(task=send_reminder.name) if j.id == later.job_id]
+        assert abs((row.due - later.due_at).total_seconds()) < 0.01 and row.moved
+        ran = Reminder.objects.get(pk=now_one.pk)
+        assert ran.ran_at >= ran.due_at  # its due time moved to the send-now moment
+        page = client.get("/").content.decode()
+        assert f'data-job="{now_one.job_id}"' not in page
+        # A job that already ran cannot be sent again.
+        client.post(f"/jobs/{now_one.job_id}/send-now")
+        assert "Could not move that reminder" in client.get("/").content.decode()
+        client.post(f"/reminders/{later.pk}/cancel")

@@ -13,5 +13,7 @@ urlpatterns = [
     path("favicon.svg", views.favicon, name="favicon"),
     path("favicon.ico", views.favicon),
     path("reminders/<int:pk>/cancel", views.cancel_reminder, name="cancel"),
+    path("jobs/<str:job_id>/send-now", views.send_now, name="send_now"),
+    path("jobs/<str:job_id>/postpone", views.postpone, name="postpone"),
     path("healthz", views.healthz, name="healthz"),
 ]

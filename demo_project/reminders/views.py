@@ -20,7 +20,7 @@ from django.shortcuts import redirect, render
 from django.utils import timezone
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
-from deferred import BrokerError, cancel, defer
+from deferred import BrokerError, JobNotPending, cancel, defer, pending, reschedule, run_now
 from demo_project.reminders.forms import ReminderForm
 from demo_project.reminders.models import ChangeRequest, Digest, Outcome, Reminder
 from demo_project.reminders.tasks import (
@@ -32,6 +32,10 @@ from demo_project.reminders.tasks import (
 
 #: How many reminders the page lists, newest first.
 LIST_LENGTH = 50
+#: How many jobs waiting in the broker the page lists, soonest first.
+WAITING_SHOWN = 10
+#: "Postpone": this much later than the reminder is due.
+POSTPONE = timedelta(minutes=1)
 #: How many runs of the recurring digest the page lists.
 DIGESTS_SHOWN = 5
 #: Seconds between refreshes of the live part while a reminder is pending.
@@ -119,6 +123,7 @@ def _live_context() -> dict[str, object]:
     changes = list(ChangeRequest.objects.all()[:DIGESTS_SHOWN])
     pending = any(r.pending for r in reminders) or any(c.sent_at is None for c in changes)
     return {
+        **_waiting(),
         "reminders": reminders,
         "digests": list(Digest.objects.all()[:DIGESTS_SHOWN]),
         "changes": changes,
@@ -126,6 +131,49 @@ def _live_context() -> dict[str, object]:
         "pending": pending,
         "refresh_seconds": REFRESH_SECONDS if pending else IDLE_REFRESH_SECONDS,
     }
+
+
+def _waiting() -> dict[str, object]:
+    """The reminders' jobs waiting in the broker, read from the ledger (no table)."""
+    try:
+        jobs = pending(task=send_reminder.name, limit=WAITING_SHOWN, timeout=5)
+    except BrokerError as exc:
+        return {"waiting": [], "waiting_error": str(exc)}
+    return {"waiting": jobs}
+
+
+@require_POST
+def send_now(request: HttpRequest, job_id: str) -> HttpResponse:
+    """Run a reminder's job now: the ledger's ``run_now()``; the reminder is due now."""
+    return _move(request, job_id, now=True)
+
+
+@require_POST
+def postpone(request: HttpRequest, job_id: str) -> HttpResponse:
+    """Move a reminder's job one minute later than it is due (``reschedule()``)."""
+    return _move(request, job_id, now=False)
+
+
+def _move(request: HttpRequest, job_id: str, *, now: bool) -> HttpResponse:
+    with transaction.atomic():
+        reminder = Reminder.objects.select_for_update().filter(job_id=job_id).first()
+        try:
+            if now:
+                due = run_now(job_id)
+            else:
+                base = reminder.due_at if reminder is not None else timezone.now()
+                due = reschedule(job_id, base + POSTPONE)
+        except (JobNotPending, ValueError, BrokerError) as exc:
+            messages.error(request, f"Could not move that reminder: {exc}")
+            return redirect("reminders:index")
+        if reminder is not None:
+            # The row's due time follows its job's, so that lateness is measured from it.
+            reminder.due_at = due
+            reminder.save(update_fields=["due_at"])
+    messages.success(
+        request, f"Reminder job {job_id} is due {due:%H:%M:%S} UTC" + (" (now)." if now else ".")
+    )
+    return redirect("reminders:index")
 
 
 @require_GET
