@@ -32,7 +32,6 @@ from django.views.decorators.http import require_GET, require_POST
 
 from deferred.broker import BrokerError
 from deferred.conf import get_settings
-from deferred.core.pending_jobs import row
 from deferred.operate import status, status_text
 from deferred.records import cancels, changes, failures, listing, results
 from deferred.records.result_format import SUCCEEDED
@@ -191,11 +190,11 @@ def _looked_up(request: HttpRequest) -> dict[str, Any]:
     if found.outcome is None and get_settings().ledger:
         # Not started: the ledger says whether it waits, and for what.
         try:
-            look = changes.look(get_settings(), job_id, timeout=PENDING_TIMEOUT_S)
+            look = changes.look(get_settings(), job_id, timeout=PENDING_TIMEOUT_S, with_job=False)
         except BrokerError:
             look = None
-        if look is not None and look.state == "pending" and look.job is not None:
-            waiting = row(look.job)
+        if look is not None and look.state == "pending" and look.row is not None:
+            waiting = look.row.public()
     return {"lookup_id": job_id, "lookup": found, "lookup_value": value, "lookup_job": waiting}
 
 
@@ -327,10 +326,10 @@ def move(request: HttpRequest) -> HttpResponse:
     try:
         if request.POST.get("by"):
             by = timedelta(seconds=float(request.POST["by"]))
-            found = changes.look(get_settings(), job_id)
-            if found.state != "pending" or found.job is None:
+            found = changes.look(get_settings(), job_id, with_job=False)
+            if found.state != "pending" or found.row is None:
                 raise changes.JobNotPending(job_id, found.state)
-            due = changes.reschedule(job_id, found.job.due + by)
+            due = changes.reschedule(job_id, found.row.public().due + by)
         else:
             due = changes.reschedule(job_id, float(request.POST.get("in") or 0))
     except (TypeError, ValueError, OverflowError) as exc:  # JobNotPending too

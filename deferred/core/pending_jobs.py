@@ -21,9 +21,8 @@ Pure: the reads are :mod:`deferred.records.pending`'s.
 
 from __future__ import annotations
 
-import json
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -100,27 +99,6 @@ class PendingJob:
         }
 
 
-def row(job: Job) -> PendingJob:
-    """The row of a job waiting to run."""
-    call = json.dumps([list(job.args), job.kwargs], separators=(",", ":"), default=str)
-    whole = len(call.encode()) <= PREVIEW_BYTES
-    preview = call if whole else call.encode()[:PREVIEW_BYTES].decode(errors="ignore") + "…"
-    return PendingJob(
-        id=job.id,
-        task=job.task,
-        queue=job.queue,
-        priority=job.priority,
-        key=job.key,
-        due=job.due,
-        enqueued=job.created,
-        attempt=job.attempt,
-        args=list(job.args) if whole else None,
-        kwargs=dict(job.kwargs) if whole else None,
-        preview=preview,
-        moved=job.gen is not None,
-    )
-
-
 def run_of(job: Job) -> int | None:
     """The run a results record names for ``job`` (``"run"``): ``None`` for the first
     run, whose due time is the id's; a re-driven run's first due time (ms)."""
@@ -148,7 +126,11 @@ class Starts:
 
     def started(self, job: Job) -> bool:
         """Whether the attempt ``job`` waits for started (or ended) somewhere."""
-        return self._highest.get((job.id, run_of(job)), 0) >= job.attempt
+        return self.highest(job.id, run_of(job)) >= job.attempt
+
+    def highest(self, job_id: str, run: int | None) -> int:
+        """The highest attempt of that run of ``job_id`` with a record (0: none)."""
+        return self._highest.get((job_id, run), 0)
 
 
 #: The results events that mean an attempt began: a re-drive's "retrying" record,
@@ -156,20 +138,6 @@ class Starts:
 RECORDED_EVENTS = frozenset(
     {"started", "succeeded", "failed", "retrying", "cancelled", "superseded", "dropped"}
 )
-
-
-def newest(jobs: Iterable[Job], latest_gen: Callable[[str], str | None]) -> dict[str, Job]:
-    """The job as it now waits, per id, from its ledger records in stream order: the
-    newest record, or for a moved job the newest record of its latest move
-    (``latest_gen(id)``, ``None`` when it was not moved)."""
-    out: dict[str, Job] = {}
-    for job in jobs:
-        gen = latest_gen(job.id)
-        if gen is not None and job.gen != gen:
-            out.setdefault(job.id, job)  # an older copy: only if nothing better comes
-            continue
-        out[job.id] = job
-    return out
 
 
 def is_pending(
@@ -186,9 +154,3 @@ def is_pending(
         return False
     # Without results nothing says it ran: listed until it is due.
     return keeps_result(job) or job.due > now
-
-
-def select(jobs: Iterable[Job], where: Filter, limit: int | None) -> list[PendingJob]:
-    """The rows of ``jobs`` that match ``where``, soonest due first, at most ``limit``."""
-    chosen = sorted((j for j in jobs if where.matches(j)), key=lambda j: (j.due, j.id))
-    return [row(j) for j in (chosen if limit is None else chosen[:limit])]

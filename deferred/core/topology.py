@@ -129,6 +129,10 @@ class Plan:
     #: One non-persistent message while the broker runs: its absence tells the
     #: keeper that the broker restarted (deferred.worker.keeper).
     up_queue: Queue | None = None
+    #: The ledger's checkpoints (deferred.core.ledger_index): pages of pending jobs,
+    #: and the heads that say where each checkpoint's pages are.
+    ledger_pages_queue: Queue | None = None
+    ledger_heads_queue: Queue | None = None
     #: The lowest levels left to the workers (``HOLD_WINDOW``): not declared.
     hold_levels: int = 0
     #: The classic ready and hold queues' ``x-max-priority`` (0: FIFO queues).
@@ -191,13 +195,27 @@ class Plan:
 
     @property
     def keeping_queues(self) -> tuple[Queue, ...]:
-        """The ledger, the keeper's lease and the up marker (none with ``LEDGER`` off)."""
-        return tuple(q for q in (self.ledger_queue, self.keeper_queue, self.up_queue) if q)
+        """The ledger, its checkpoints, the keeper's lease and the up marker (none with
+        ``LEDGER`` off)."""
+        return tuple(
+            q
+            for q in (
+                self.ledger_queue,
+                self.ledger_pages_queue,
+                self.ledger_heads_queue,
+                self.keeper_queue,
+                self.up_queue,
+            )
+            if q
+        )
 
     @property
     def streams(self) -> tuple[Queue, ...]:
-        """The queues that are streams: the cancels, the results and the ledger."""
-        ledger = (self.ledger_queue,) if self.ledger_queue else ()
+        """The queues that are streams: the cancels, the results, the ledger and its
+        checkpoints."""
+        ledger = tuple(
+            q for q in (self.ledger_queue, self.ledger_pages_queue, self.ledger_heads_queue) if q
+        )
         return (self.cancels_queue, self.results_queue, *ledger)
 
     @property
@@ -436,6 +454,13 @@ def _stream_arguments(queue_type: str, group_size: int, keep_ms: int) -> dict[st
     return args
 
 
+def _checkpoint_arguments(queue_type: str, group_size: int) -> dict[str, Any]:
+    return {
+        **_stream_arguments(queue_type, group_size, LEDGER_CHECKPOINTS_KEEP_MS),
+        "x-stream-max-segment-size-bytes": CHECKPOINT_SEGMENT_BYTES,
+    }
+
+
 def _delay_queue_arguments(
     queue_type: str, group_size: int, ttl_ms: int, dead_letter_exchange: str
 ) -> dict[str, Any]:
@@ -544,6 +569,11 @@ LEDGER_ROUTING_KEY = "ledger"
 #: How long the ledger stream keeps a record. The keeper writes a pending job's
 #: record again before it gets this old (deferred.worker.keeper).
 LEDGER_KEEP_MS = 7 * 24 * 3600 * 1000
+#: How long the checkpoints' streams keep a page or a head: a few checkpoints (a
+#: listing reads the newest; the keeper writes one every few minutes at most).
+LEDGER_CHECKPOINTS_KEEP_MS = 3600 * 1000
+#: Their segments: small, so that what is past its age goes soon.
+CHECKPOINT_SEGMENT_BYTES = 4_000_000
 
 
 def build_plan(
@@ -753,6 +783,16 @@ def build_plan(
         ),
         ledger_queue=(
             Queue(f"{prefix}.ledger", _stream_arguments(queue_type, group_size, LEDGER_KEEP_MS))
+            if ledger
+            else None
+        ),
+        ledger_pages_queue=(
+            Queue(f"{prefix}.ledger-pages", _checkpoint_arguments(queue_type, group_size))
+            if ledger
+            else None
+        ),
+        ledger_heads_queue=(
+            Queue(f"{prefix}.ledger-heads", _checkpoint_arguments(queue_type, group_size))
             if ledger
             else None
         ),

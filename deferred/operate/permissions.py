@@ -66,14 +66,19 @@ def for_role(role: str, prefix: str) -> Permissions:
     ingest = rf"{p}\.{topology}\.ingest"
     everything = (
         rf"{p}\.({topology}\.(ingest|after\.L\d+|L\d+\.d\d+)"
-        r"|(ready|hold)\.(p\d\.)?[A-Za-z0-9_-]+|failed|topologies|scheduler|schedules|cancels|results|ledger|keeper|up)"
+        r"|(ready|hold)\.(p\d\.)?[A-Za-z0-9_-]+|failed|topologies|scheduler|schedules|cancels|results|ledger(-pages|-heads)?|keeper|up)"
     )
     default = re.escape(DEFAULT_EXCHANGE)
     staging = rf"{p}\.transfer(\.out)?|amq\.gen-[A-Za-z0-9_-]+"
     if role == "publisher":
         # Reading a result (deferred.result(), get_result()) consumes the results
-        # stream; get_result() of a task not started yet, the ledger (deferred.records.pending).
-        return Permissions(configure=NOTHING, write=f"^{ingest}$", read=rf"^{p}\.(results|ledger)$")
+        # stream; get_result() of a task not started yet, the ledger (deferred.records.pending);
+        # listing the pending jobs (deferred.pending()), the cancels and the checkpoints too.
+        return Permissions(
+            configure=NOTHING,
+            write=f"^{ingest}$",
+            read=rf"^{p}\.(results|cancels|ledger(-pages|-heads)?)$",
+        )
     if role == "worker":
         return Permissions(
             configure=NOTHING, write=f"^({ingest}|{default})$", read=f"^{everything}$"

@@ -15,21 +15,22 @@ started.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 
 from deferred.broker import COPY_HEADER
+from deferred.broker import ledger_index as ledger_io
 from deferred.conf import DeferredSettings, get_settings
 from deferred.core.delays import delay_ms
-from deferred.core.jobs import Job, looks_like_id
+from deferred.core.jobs import BrokenMessage, Job, due_ms_of, looks_like_id
+from deferred.core.ledger_index import Waiting, newest
 from deferred.core.moves import MOVED_COPY, new_gen
-from deferred.core.pending_jobs import Starts, is_pending
+from deferred.core.pending_jobs import Starts
+from deferred.core.topology import plan_topology
 from deferred.producer.publishing import Prepared, dispatch, prepare_built
-from deferred.records import pending as ledger_records
-from deferred.records.cancels import read_cancels
+from deferred.records import checkpoints
 from deferred.records.recording import keeps_result
-from deferred.records.result_format import CLOCK_SLACK_S
-from deferred.records.results import each_record
 
 #: A job whose current copy is due within this of the move may be starting as it is
 #: moved (clocks apart, the time the look took): its moved copy runs only if it did not.
@@ -55,37 +56,88 @@ class Look:
     #: "pending", "started" (running or ended: its result says which), "cancelled",
     #: "superseded", or "unknown" (no record in the ledger).
     state: str
+    #: Its row, when it is pending.
+    row: Waiting | None = None
 
 
-def look(settings: DeferredSettings, job_id: str, *, timeout: float = LOOK_TIMEOUT_S) -> Look:
-    """Whether ``job_id`` is pending, and the job as it waits (its newest record)."""
-    found = ledger_records.find(settings, job_id, timeout=timeout, newest=True)
-    job = found.job
-    if job is None:
-        return Look(None, "unknown")
-    view = read_cancels(settings, timeout=timeout)
-    gen = view.moves.gen(job_id)
-    if gen is not None and job.gen != gen:
-        # A move's copy is in the ledger before its record in the cancels is read.
-        again = ledger_records.find(settings, job_id, timeout=timeout, newest=True).job
-        job = again if again is not None else job
-    starts = Starts()
-    since = job.due - timedelta(seconds=CLOCK_SLACK_S)
-    if since <= datetime.now(UTC) and settings.results:
-        each_record(settings, since, starts.add, timeout=timeout)
-    if job_id in view:
-        return Look(job, "cancelled")
-    if view.keys.is_superseded(job_id):
-        return Look(job, "superseded")
-    pending = is_pending(
-        job,
-        starts=starts,
-        cancelled=lambda _: False,
-        superseded=lambda _: False,
-        now=datetime.now(UTC),
-        keeps_result=keeps_result if settings.results else (lambda _: False),
+def look(
+    settings: DeferredSettings,
+    job_id: str,
+    *,
+    timeout: float = LOOK_TIMEOUT_S,
+    with_job: bool = True,
+) -> Look:
+    """Whether ``job_id`` is pending, and the job as it waits (its newest record; not
+    read without ``with_job``: its row says what a listing shows).
+
+    Reads, on one connection, the newest checkpoint's head, the ledger's tail, the
+    cancels, the page that holds the job and its record; and, if it is due
+    already, the results."""
+    if not isinstance(job_id, str) or not looks_like_id(job_id):
+        raise ValueError(f"{job_id!r} is not a job id (32 hexadecimal digits).")
+    started = time.monotonic()
+    first_due = due_ms_of(job_id)
+    with ledger_io.StreamSession(settings.broker_urls, timeout=timeout) as session:
+        # Three reads at once: the cancels; the head, then the tail after it; the head,
+        # then the page of the job's first due time.
+        cancels = checkpoints.in_parallel(checkpoints.read_cancels_alone, settings, timeout)
+        head = checkpoints.latest_head(settings, session)
+        page = (
+            checkpoints.in_parallel(
+                checkpoints.find_row_alone, settings, head, job_id, first_due, timeout
+            )
+            if head is not None and first_due is not None
+            else None
+        )
+        tail, end = checkpoints.read_tail(
+            settings, session, -1 if head is None else head.ledger_offset
+        )
+        view = cancels.result()
+        state = checkpoints.State(head, newest(tail, view.moves.is_stale), end, view, Starts())
+        row = state.tail.get(job_id) or (page.result() if page is not None else None)
+        moved = view.moves.due(job_id)
+        if row is None and head is not None and moved is not None:
+            row = checkpoints.find_row(settings, session, head, job_id, int(moved * 1000))
+        job = _job_at(settings, session, row) if with_job else None
+        if job_id in view:
+            return Look(job, "cancelled", row)
+        if view.keys.is_superseded(job_id):
+            return Look(job, "superseded", row)
+        if row is None or view.moves.is_stale(job_id, row.gen):
+            return Look(None, "unknown")
+    left = max(0.1, timeout - (time.monotonic() - started))
+    pending = list(
+        checkpoints.pending_rows(
+            settings,
+            state,
+            iter([row]) if job_id not in state.tail else iter(()),
+            timeout=left,
+            started_from_ms=row.due_ms - checkpoints.RESULTS_MARGIN_MS
+            if row.due_ms <= time.time() * 1000 + 1000
+            else None,
+        )
     )
-    return Look(job, "pending" if pending else "started")
+    if any(r.id == job_id for r in pending):
+        return Look(job, "pending", row)
+    return Look(job, "started", row)
+
+
+def _job_at(
+    settings: DeferredSettings, session: ledger_io.StreamSession, row: Waiting | None
+) -> Job | None:
+    """The job whose newest record ``row`` points at, read from the ledger."""
+    if row is None:
+        return None
+    plan = plan_topology(settings)
+    assert plan.ledger_queue is not None
+    for offset, body, _headers in session.read_at(plan.ledger_queue.name, row.offset, 1):
+        if offset == row.offset:
+            try:
+                job = Job.decode(body)
+            except BrokenMessage:
+                return None
+            return job if job.id == row.id else None
+    return None
 
 
 def reschedule(job_id: str, delay: object) -> datetime:
@@ -100,7 +152,7 @@ def reschedule(job_id: str, delay: object) -> datetime:
     broker cannot take the move.
     """
     settings = get_settings()
-    if not looks_like_id(job_id):
+    if not isinstance(job_id, str) or not looks_like_id(job_id):
         raise ValueError(f"{job_id!r} is not a job id (32 hexadecimal digits).")
     # The delay first: a bad one is refused before any read.
     delay_ms(

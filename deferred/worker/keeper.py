@@ -30,6 +30,11 @@ token in ``PREFIX.keeper``, as for the scheduler) keeps the ledger
   :data:`MAX_POSTPONE_MS`): a job still waiting there would read as lost.
 - **"Up at" markers**, every :data:`ALIVE_EVERY_S`, in the ledger: where a
   restart window starts when no keeper saw the broker go.
+- **Checkpoints**, every :data:`CHECKPOINT_EVERY_S` or so, in a thread of their
+  own (:mod:`deferred.core.ledger_index`): the pending jobs, sorted by due time,
+  for listings to read without the whole ledger. A checkpoint that took ``d``
+  seconds waits ``CHECKPOINT_COST_FACTOR * d`` before the next one, so that a
+  worker spends a bounded share of its time on them with many jobs pending.
 - **Carrying records forward**, every :data:`CARRY_EVERY_S`: the record of a
   job still pending is written again before the stream's retention drops it.
 
@@ -57,6 +62,7 @@ from deferred.broker.ledger import EXCHANGE, PRIORITY, ROUTING_KEY
 from deferred.conf import DeferredSettings
 from deferred.core import ledger, notices
 from deferred.core.topology import LEDGER_KEEP_MS, Plan, plan_topology
+from deferred.records import checkpoints
 
 logger = logging.getLogger("deferred.keeper")
 
@@ -65,6 +71,15 @@ ALIVE_EVERY_S = 5.0
 #: How often it carries the records of pending jobs forward (deferred.core.ledger, where
 #: deferred.records.pending reads it too).
 CARRY_EVERY_S = ledger.CARRY_EVERY_S
+#: How often the keeper writes a checkpoint of the pending jobs, at most; the first
+#: one soon after it takes the lease.
+CHECKPOINT_EVERY_S = 60.0
+CHECKPOINT_FIRST_S = 5.0
+#: A checkpoint that took d seconds is followed by the next one no sooner than this
+#: many times d later: at most a tenth of a core.
+CHECKPOINT_COST_FACTOR = 10.0
+#: How long one checkpoint may take.
+CHECKPOINT_TIMEOUT_S = 600.0
 #: A restart window starts this long before the connection was lost: the broker
 #: may stop its queues a moment before it closes the connections.
 BEFORE_MS = 5_000
@@ -231,6 +246,10 @@ class Keeper:
         self._next_alive = 0.0
         self._next_backlog_look = 0.0
         self._next_carry = 0.0
+        self._next_checkpoint = 0.0
+        self._checkpointing: threading.Thread | None = None
+        #: Set after each checkpoint written (tests and the bench wait on it).
+        self.checkpointed = threading.Event()
         #: Off when the worker must end at once (a job given up at its hard time limit).
         self.wait_on_stop = True
 
@@ -322,6 +341,31 @@ class Keeper:
             if self._next_carry:
                 self.carry()
             self._next_carry = now + CARRY_EVERY_S
+        if not self._next_checkpoint:
+            self._next_checkpoint = now + CHECKPOINT_FIRST_S
+        elif now >= self._next_checkpoint and self._checkpointing is None:
+            # In a thread: a checkpoint of many jobs takes longer than the lease's
+            # heartbeats may wait.
+            self._checkpointing = threading.Thread(
+                target=self._checkpoint, name="deferred-checkpoint", daemon=True
+            )
+            self._next_checkpoint = float("inf")
+            self._checkpointing.start()
+
+    def _checkpoint(self) -> None:
+        started = time.monotonic()
+        try:
+            checkpoints.write(self.settings, timeout=CHECKPOINT_TIMEOUT_S)
+            self.checkpointed.set()
+        except broker.BrokerError as exc:
+            logger.warning("Could not write the ledger's checkpoint: %s", exc)
+        except Exception:  # the keeper must never take the worker down
+            logger.exception("Could not write the ledger's checkpoint.")
+        took = time.monotonic() - started
+        self._next_checkpoint = time.monotonic() + max(
+            CHECKPOINT_EVERY_S, CHECKPOINT_COST_FACTOR * took
+        )
+        self._checkpointing = None
 
     def _may_check(self) -> bool:
         """Whether the jobs due by now may be checked: not while a ready queue holds a

@@ -12,7 +12,7 @@ from django.template.defaultfilters import pluralize
 
 from deferred.broker import BrokerError
 from deferred.core.jobs import looks_like_id
-from deferred.core.pending_jobs import PendingJob, row
+from deferred.core.pending_jobs import PendingJob
 from deferred.management.arguments import command_settings, moment, seconds
 from deferred.records import changes, listing
 from deferred.records.cancels import cancel_many
@@ -103,11 +103,11 @@ class Command(BaseCommand):
         settings = command_settings()
         if not isinstance(job_id, str) or not looks_like_id(job_id):
             raise CommandError(f"{job_id!r} is not a job id (32 hexadecimal digits).")
-        found = changes.look(settings, job_id)
+        found = changes.look(settings, job_id, with_job=False)
         result = lookup(settings, job_id) if found.state != "pending" else None
-        if found.job is None and (result is None or result.outcome is None):
+        if found.row is None and (result is None or result.outcome is None):
             raise CommandError(f"No job {job_id} in the ledger or the results.")
-        record = None if found.job is None else row(found.job).as_dict()
+        record = None if found.row is None else found.row.public().as_dict()
         if as_json:
             out = {"id": job_id, "state": found.state, "job": record}
             out["result"] = None if result is None else result.as_dict()

@@ -1,0 +1,403 @@
+"""Reading and writing the ledger's checkpoints (:mod:`deferred.core.ledger_index`).
+
+What a listing reads (:func:`read_state`): the newest head, then the pages
+it needs, the ledger's tail after the checkpoint, the cancels, and the
+results since the checkpoint for the jobs already due. What the keeper writes
+(:func:`write`): the same fold over every page, as the next checkpoint.
+
+Freshness: a listing sees every job whose ``defer()`` returned before it
+began (the ledger's tail is read to a marker published as the read began),
+and every cancel, key and move confirmed before then. A job leaves the list
+once its start is in the results stream: ``STARTED_AFTER_S`` after it began
+(or as it ended, for a shorter one), plus the results writer's linger.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, TypeVar
+
+from deferred import broker
+from deferred.broker import ledger_index as io
+from deferred.conf import DeferredSettings
+from deferred.core import signing
+from deferred.core.jobs import BrokenMessage, Job
+from deferred.core.ledger_index import (
+    Head,
+    PageRef,
+    Waiting,
+    decode_page,
+    encode_page,
+    find_in_page,
+    fold,
+    newest,
+    paginate,
+    waiting_of,
+)
+from deferred.core.pending_jobs import Starts
+from deferred.core.topology import (
+    CANCEL_ROUTING_KEY,
+    LEDGER_ROUTING_KEY,
+    Plan,
+    plan_topology,
+)
+from deferred.records import cancels as cancel_records
+from deferred.records import result_format
+from deferred.records.cancels import CancelView
+from deferred.records.recording import keeps_result
+from deferred.records.results import each_record
+
+logger = logging.getLogger("deferred.ledger")
+
+#: How long a read of the heads waits for the newest before it takes the stream for
+#: empty (a topology no worker has run on yet).
+HEAD_WAIT_S = 0.3
+#: How far before a checkpoint's reads a listing reads the results again: a start
+#: is recorded up to STARTED_AFTER_S and the writer's linger after it happened.
+RESULTS_MARGIN_MS = 5_000
+
+
+@dataclass
+class State:
+    """What one read found: the newest checkpoint (or none), the ledger's tail after
+    it, the cancels, keys and moves in force, and the results read so far."""
+
+    head: Head | None
+    tail: dict[str, Waiting]
+    tail_end: int
+    view: CancelView
+    starts: Starts
+    #: From when the results were read (ms), or ``None``: not yet.
+    results_from_ms: int | None = None
+
+
+def _plan(settings: DeferredSettings) -> Plan:
+    plan = plan_topology(settings)
+    if plan.ledger_queue is None or plan.ledger_pages_queue is None:
+        raise broker.TopologyNotDeclared(
+            "The ledger is off (DEFERRED['LEDGER'] = False): there is no record of pending jobs."
+        )
+    return plan
+
+
+def latest_head(settings: DeferredSettings, session: io.StreamSession) -> Head | None:
+    """The newest checkpoint's head, or ``None`` when there is none.
+
+    Only the keeper writes the heads stream, a head per publish: its last chunk
+    is the newest head. An empty stream answers nothing, so "none" costs
+    :data:`HEAD_WAIT_S`."""
+    plan = _plan(settings)
+    assert plan.ledger_heads_queue is not None
+    bodies = session.read_last(plan.ledger_heads_queue.name, wait_s=HEAD_WAIT_S)
+    heads = []
+    for body in bodies:
+        try:
+            heads.append(Head.decode(body))
+        except ValueError:
+            pass
+    return heads[-1] if heads else None
+
+
+def read_pages(
+    settings: DeferredSettings, session: io.StreamSession, head: Head, indexes: list[int]
+) -> Iterator[list[Waiting]]:
+    """The rows of the pages ``indexes`` (in order) of ``head``'s checkpoint, a page at
+    a time. ``BrokerUnavailable`` if one of them is gone (the stream's retention)."""
+    plan = _plan(settings)
+    assert plan.ledger_pages_queue is not None
+    run: list[int] = []
+    for index in indexes:
+        if run and index != run[-1] + 1:
+            yield from _read_run(session, plan, head, run)
+            run = []
+        run.append(index)
+    if run:
+        yield from _read_run(session, plan, head, run)
+
+
+def _read_run(
+    session: io.StreamSession, plan: Plan, head: Head, run: list[int]
+) -> Iterator[list[Waiting]]:
+    refs: list[PageRef] = [head.pages[i] for i in run]
+    # A few at a time: a listing usually needs the first page only.
+    for start in range(0, len(refs), 8):
+        batch = refs[start : start + 8]
+        span = batch[-1].offset - batch[0].offset + 1
+        assert plan.ledger_pages_queue is not None
+        got = session.read_at(plan.ledger_pages_queue.name, batch[0].offset, span)
+        pages = {offset: body for offset, body, _headers in got}
+        for ref in batch:
+            body = pages.get(ref.offset)
+            if body is None:
+                raise broker.BrokerUnavailable(
+                    f"A page of the ledger's checkpoint {head.token} is gone (offset {ref.offset})."
+                )
+            token, _number, rows = decode_page(body)
+            if token != head.token:
+                raise broker.BrokerUnavailable(
+                    f"Offset {ref.offset} holds no page of checkpoint {head.token}."
+                )
+            yield rows
+
+
+def find_row(
+    settings: DeferredSettings, session: io.StreamSession, head: Head, job_id: str, due_ms: int
+) -> Waiting | None:
+    """The row of ``job_id`` in ``head``'s checkpoint, looked for on the pages that may
+    hold a job due at ``due_ms`` (rows due at one millisecond may straddle two)."""
+    plan = _plan(settings)
+    assert plan.ledger_pages_queue is not None
+    for index in head.pages_from(due_ms, None)[:2]:
+        ref = head.pages[index]
+        for offset, body, _headers in session.read_at(plan.ledger_pages_queue.name, ref.offset, 1):
+            if offset != ref.offset:
+                continue
+            token, row = find_in_page(body, job_id)
+            if token != head.token:
+                raise broker.BrokerUnavailable(
+                    f"Offset {ref.offset} holds no page of checkpoint {head.token}."
+                )
+            if row is not None:
+                return row
+    return None
+
+
+def find_row_alone(
+    settings: DeferredSettings, head: Head, job_id: str, due_ms: int, timeout: float
+) -> Waiting | None:
+    """:func:`find_row` on a connection of its own."""
+    with io.StreamSession(settings.broker_urls, timeout=timeout) as session:
+        return find_row(settings, session, head, job_id, due_ms)
+
+
+def read_tail(
+    settings: DeferredSettings, session: io.StreamSession, after: int
+) -> tuple[list[Waiting], int]:
+    """The job records of the ledger after offset ``after`` (-1: all), in stream order, as
+    rows; and the offset of the last one read (``after`` if none)."""
+    plan = _plan(settings)
+    assert plan.ledger_queue is not None
+    keys = settings.signing_keys if settings.signing else None
+    results_on = settings.results
+    rows: list[Waiting] = []
+    last = after
+
+    def on_message(offset: int, body: bytes, headers: dict[str, Any]) -> bool:
+        nonlocal last
+        last = max(last, offset)
+        if not body or body[:1] != b"{":
+            return False
+        try:
+            job = Job.decode(body)
+            if keys is not None:
+                signing.verify(body, headers, keys)
+        except (BrokenMessage, ValueError):
+            return False  # a marker, or a record a worker would not run either
+        rows.append(waiting_of(job, offset, results=results_on and keeps_result(job)))
+        return False
+
+    token = uuid.uuid4().hex
+    session.read_to_now(
+        plan.ledger_queue.name,
+        "first" if after < 0 else after + 1,
+        on_message,
+        marker=(plan.ingest_exchange, LEDGER_ROUTING_KEY, result_format.encode_marker(token)),
+        is_marker=result_format.marker_of,
+    )
+    return rows, last
+
+
+def read_cancels(settings: DeferredSettings, session: io.StreamSession) -> CancelView:
+    """The cancels, keys and moves in force: the cancels stream, read to now."""
+    plan = _plan(settings)
+    view = CancelView(settings.cancel_margin_ms / 1000)
+    now = time.time()
+    keys = settings.signing_keys if settings.signing else None
+
+    def on_message(_offset: int, body: bytes, headers: dict[str, Any]) -> bool:
+        try:
+            record = cancel_records.decode_record(body)
+            if keys is not None:
+                signing.verify(body, headers, keys)
+        except ValueError:  # BadSignature too: what a worker would ignore
+            return False
+        view.apply(record, now)
+        return False
+
+    token = uuid.uuid4().hex
+    session.read_to_now(
+        plan.cancels_queue.name,
+        "first",
+        on_message,
+        marker=(
+            plan.ingest_exchange,
+            CANCEL_ROUTING_KEY,
+            cancel_records.encode_marker(token),
+        ),
+        is_marker=cancel_records.marker_of,
+    )
+    return view
+
+
+def read_state(settings: DeferredSettings, session: io.StreamSession) -> State:
+    """The newest checkpoint's head, the ledger's tail after it, and the cancels (read at
+    the same time, on a connection of their own)."""
+    cancels = in_parallel(read_cancels_alone, settings, session.timeout)
+    head = latest_head(settings, session)
+    tail, end = read_tail(settings, session, -1 if head is None else head.ledger_offset)
+    view = cancels.result()
+    return State(head, newest(tail, view.moves.is_stale), end, view, Starts())
+
+
+def read_cancels_alone(settings: DeferredSettings, timeout: float) -> CancelView:
+    """:func:`read_cancels` on a connection of its own."""
+    with io.StreamSession(settings.broker_urls, timeout=timeout) as session:
+        return read_cancels(settings, session)
+
+
+def in_parallel(call: Callable[..., T], *args: Any) -> Future[T]:
+    """``call(*args)`` on the ledger readers' threads: a look-up's reads that do not
+    wait for each other overlap (each is mostly a wait on the broker)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="deferred-ledger")
+    return _pool.submit(call, *args)
+
+
+T = TypeVar("T")
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def read_results(
+    settings: DeferredSettings, state: State, since_ms: int, *, timeout: float
+) -> None:
+    """Add to ``state`` the results written from ``since_ms`` on (not earlier than the
+    checkpoint saw them, less a margin); nothing for a read already as early."""
+    if not settings.results:
+        return
+    if state.head is not None:
+        since_ms = max(since_ms, state.head.made_ms - RESULTS_MARGIN_MS)
+    if state.results_from_ms is not None and state.results_from_ms <= since_ms:
+        return
+    since = datetime.fromtimestamp(since_ms / 1000, UTC)
+    if not each_record(settings, since, state.starts.add, timeout=timeout):
+        raise broker.BrokerUnavailable(
+            f"Reading the results from {since.isoformat()} took more than {timeout:g} s."
+        )
+    state.results_from_ms = since_ms
+
+
+def pending_rows(
+    settings: DeferredSettings,
+    state: State,
+    base: Iterator[Waiting],
+    *,
+    timeout: float,
+    started_from_ms: int | None,
+) -> Iterator[Waiting]:
+    """The pending rows, soonest first: ``base`` (a checkpoint's rows in order, or none)
+    folded with ``state``. ``started_from_ms``: the earliest due time among the rows
+    that may have started, for the results read (``None``: none is due yet)."""
+    if started_from_ms is not None:
+        read_results(settings, state, started_from_ms, timeout=timeout)
+    view = state.view
+    return fold(
+        base,
+        state.tail,
+        starts=state.starts,
+        gone=lambda job_id: job_id in view or view.keys.is_superseded(job_id),
+        stale=view.moves.is_stale,
+        now_ms=int(time.time() * 1000),
+    )
+
+
+def write(settings: DeferredSettings, *, timeout: float) -> Head:
+    """Fold the newest checkpoint, the ledger's tail and the other streams into the next
+    checkpoint, and write it (the keeper's, every ``CHECKPOINT_EVERY_S`` or so)."""
+    deadline = _Deadline(timeout)
+    made_ms = int(time.time() * 1000)
+    with io.StreamSession(settings.broker_urls, timeout=timeout) as session:
+        return _write(settings, session, deadline, made_ms)
+
+
+def _write(
+    settings: DeferredSettings, session: io.StreamSession, deadline: _Deadline, made_ms: int
+) -> Head:
+    state = read_state(settings, session)
+    plan = _plan(settings)
+    assert plan.ledger_pages_queue is not None and plan.ledger_heads_queue is not None
+    head = state.head
+
+    def base() -> Iterator[Waiting]:
+        if head is None:
+            return
+        for rows in read_pages(settings, session, head, list(range(len(head.pages)))):
+            yield from rows
+
+    # Which of them may have started: the results from the earliest due time among the
+    # jobs due by now, or from where the last checkpoint read them.
+    due_now = [r.due_ms for r in state.tail.values() if r.due_ms <= made_ms]
+    earliest = min(due_now, default=None)
+    if head is not None and head.pages and head.pages[0].first_ms <= made_ms:
+        earliest = min(head.pages[0].first_ms, earliest or head.pages[0].first_ms)
+    rows = list(
+        pending_rows(
+            settings,
+            state,
+            base(),
+            timeout=deadline.left(),
+            started_from_ms=None if earliest is None else earliest - RESULTS_MARGIN_MS,
+        )
+    )
+    token = uuid.uuid4().hex
+    pages = paginate(rows)
+    bodies = [encode_page(token, n, page) for n, page in enumerate(pages)]
+
+    def head_for(offsets: list[int]) -> bytes:
+        refs = tuple(
+            PageRef(offset, page[0].due_ms, page[-1].due_ms, len(page))
+            for offset, page in zip(offsets, pages, strict=True)
+        )
+        return Head(token, made_ms, state.tail_end, refs).encode()
+
+    offsets = io.write_checkpoint(
+        settings.broker_urls,
+        plan.ledger_pages_queue.name,
+        plan.ledger_heads_queue.name,
+        token,
+        bodies,
+        head_for,
+        timeout=deadline.left(),
+    )
+    written = Head.decode(head_for(offsets))
+    logger.info(
+        "Wrote the ledger's checkpoint: %d pending job%s in %d page%s (%.1f s).",
+        written.rows,
+        "" if written.rows == 1 else "s",
+        len(pages),
+        "" if len(pages) == 1 else "s",
+        (time.time() * 1000 - made_ms) / 1000,
+    )
+    return written
+
+
+class _Deadline:
+    """What is left of one operation's time, for each of its reads."""
+
+    def __init__(self, timeout: float) -> None:
+        self._end = time.monotonic() + timeout
+
+    def left(self) -> float:
+        left = self._end - time.monotonic()
+        if left <= 0:
+            raise broker.BrokerUnavailable("The ledger's read ran out of time.")
+        return left
