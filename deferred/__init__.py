@@ -28,6 +28,7 @@ from deferred.producer.asynchronous import adefer, adefer_many
 from deferred.producer.publishing import defer, defer_many
 from deferred.producer.tasks import Task, task
 from deferred.records.cancels import cancel, cancel_many
+from deferred.core.pending_jobs import PendingJob
 from deferred.records.changes import JobNotPending, reschedule, run_now
 from deferred.records.listing import pending
 from deferred.records.results import Result, aresult, result
@@ -40,6 +41,7 @@ __all__ = [
     "Exponential",
     "JobNotPending",
     "MessageTooLarge",
+    "PendingJob",
     "PublishRefused",
     "Result",
     "Retry",

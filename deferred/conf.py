@@ -464,8 +464,10 @@ class DeferredSettings:
         RESTARTS,
         """The ledger (deferred.core.ledger): the broker copies every job published into the
         PREFIX.ledger stream, and after a broker restart one worker (the keeper) publishes
-        again the jobs that were moving between two delay queues when it went down. False:
-        no ledger, and such a job can be lost.""",
+        again the jobs that were moving between two delay queues when it went down. It is
+        also what deferred.pending(), deferred_jobs and the status page list, and what
+        run_now() and reschedule() move (docs: See and change pending jobs). False: no
+        ledger, such a job can be lost, and pending jobs cannot be listed.""",
     )
 
     # ----------------------------------------------------------------- security

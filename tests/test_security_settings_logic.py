@@ -172,9 +172,13 @@ def test_the_role_regexes_match_exactly_the_names_they_should(prefix):
         return {n for n in names if re.match(regex, n)}
 
     assert matching(publisher.write, ours | nested) == ingest
-    # A web process reads results (deferred.result()) and, for a task not started yet,
-    # the ledger (get_result()): those two streams, nothing else.
-    assert matching(publisher.read, ours | nested) == {f"{prefix}.results", f"{prefix}.ledger"}
+    # A web process reads results (deferred.result()), for a task not started yet the
+    # ledger (get_result()), and to list pending jobs the cancels and the ledger's
+    # checkpoints (deferred.pending()): those streams, nothing else.
+    assert matching(publisher.read, ours | nested) == {
+        f"{prefix}.{name}"
+        for name in ("results", "ledger", "cancels", "ledger-pages", "ledger-heads")
+    }
     assert matching(publisher.configure, ours) == set()
     assert matching(worker.write, ours | {"amq.default"}) == ingest | {"amq.default"}
     assert matching(worker.read, ours | nested) == ours

@@ -103,7 +103,10 @@ def test_quorum_mode(broker_url, run_worker, records):
         listed = rabbitmqctl("list_queues", "name", "type", "arguments", "-q", "--no-table-headers")
         mine = [line for line in listed.splitlines() if line.startswith(prefix)]
         delay_lines = [line for line in mine if ".delay." in line]
-        streams = (f"{prefix}.cancels\t", f"{prefix}.results\t", f"{prefix}.ledger\t")
+        streams = tuple(
+            f"{prefix}.{name}\t"
+            for name in ("cancels", "results", "ledger", "ledger-pages", "ledger-heads")
+        )
         # The "up" marker's queue is classic on purpose: its transient message must not
         # survive a restart.
         up = f"{prefix}.up\t"

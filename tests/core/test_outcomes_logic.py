@@ -22,7 +22,7 @@ class Recording(Observer):
         self.calls.append(("job_ended", job, outcome, at, value, error, reason))
 
 
-def test_the_nine_outcomes_are_the_strings_the_log_and_the_metric_say():
+def test_the_ten_outcomes_are_the_strings_the_log_and_the_metric_say():
     assert [str(o) for o in Outcome] == [
         "succeeded",
         "retrying",
@@ -33,6 +33,7 @@ def test_the_nine_outcomes_are_the_strings_the_log_and_the_metric_say():
         "requeued",
         "dropped",
         "duplicate",
+        "moved",
     ]
     assert Outcome("failed") is Outcome.FAILED
     assert "outcome=requeued" in JOB_LINE % ("j", "t", 1, 0.0, Outcome.REQUEUED, 0.0, "")

@@ -105,7 +105,7 @@ def test_the_export_lists_three_users_without_passwords(own_topology):
     assert "users" not in json.loads(out.getvalue())
 
 
-def test_the_publisher_can_defer_and_cancel_and_nothing_else(users, own_topology, raw_channel):
+def test_the_publisher_can_defer_cancel_list_and_move_and_nothing_else(users, own_topology, raw_channel):
     publisher = users["publisher"]
     ready = own_topology.ready_queues["default"].name
     with as_user(publisher):
@@ -122,8 +122,13 @@ def test_the_publisher_can_defer_and_cancel_and_nothing_else(users, own_topology
         backends._enqueued.clear()
         backend = backends.api.task_backends["default"]
         assert backend.get_result(enqueued.id).status.name == "READY"
+        # It lists the pending jobs (the ledger, its checkpoints, the cancels) and moves one.
+        kept = defer(record, 60, "/tmp/never", "kept")
+        assert kept in [job.id for job in deferred.pending()]
+        deferred.reschedule(kept, 120)
+        assert [job.moved for job in deferred.pending() if job.id == kept] == [True]
     assert wait_for(
-        lambda: sum(depth(raw_channel, q.name) for q in own_topology.delay_queues) == 1, 5
+        lambda: sum(depth(raw_channel, q.name) for q in own_topology.delay_queues) == 3, 5
     )
     assert refused(publisher, lambda ch: ch.basic_consume(ready, lambda *a: None))
     assert refused(publisher, lambda ch: ch.basic_get(ready))
@@ -135,7 +140,7 @@ def test_the_publisher_can_defer_and_cancel_and_nothing_else(users, own_topology
     level = next(e.name for e in own_topology.exchanges if ".after." in e.name)
     assert refused(publisher, lambda ch: ch.basic_publish(level, "0.0.default", b"{}"))
     assert refused(
-        publisher, lambda ch: ch.basic_consume(own_topology.cancels_queue.name, lambda *a: None)
+        publisher, lambda ch: ch.basic_consume(own_topology.failed_queue.name, lambda *a: None)
     )
 
 

@@ -31,6 +31,7 @@ from django.conf import settings
 from django.core.management import CommandError, call_command
 from django.test import override_settings
 
+import deferred
 from deferred import cancel, defer, defer_many
 from deferred.broker import BrokerUnavailable, admin_channel, answers, peek, send_record
 from deferred.broker.transfer import Drain, Staging
@@ -273,6 +274,10 @@ def test_pending_failed_and_cancelled_jobs_move_and_each_runs_once_on_time(
     with admin_channel(NEW_URL) as admin, admin.take_all(plan.failed_queue.name) as (_, taken):
         reasons = {t.message_id: t.headers.get(failures.REASON_HEADER) for t in taken}
     assert reasons[bare.id] == failures.DELIVERY_LIMIT
+    # the new broker's ledger lists exactly the jobs that wait there (not the cancelled one),
+    with on_new_broker():
+        listed = [job.id for job in deferred.pending(limit=None)]
+    assert sorted(listed) == sorted([*pending, due_now])
     # and a worker on the new broker runs each job once, never before its due time,
     # and not the cancelled one.
     with worker_on_new_broker(concurrency=4) as worker:

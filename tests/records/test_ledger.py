@@ -16,9 +16,12 @@ from django.core.management import CommandError, call_command
 
 import deferred
 from deferred import JobNotPending, cancel, defer, pending, reschedule, run_now
+from deferred.broker.ledger_index import StreamSession
+from deferred.conf import get_settings
 from deferred.core.jobs import new_job_id
-from tests.conftest import wait_for
-from tests.testapp.tasks import on_other, read_records, record, timed
+from deferred.records import changes, checkpoints
+from tests.conftest import rabbitmqctl, wait_for
+from tests.testapp.tasks import on_other, read_records, record, sleepy, timed
 
 
 def ids(rows) -> list[str]:
@@ -231,3 +234,93 @@ def test_the_command_moves_and_cancels_by_filter(own_topology, run_worker, recor
     with pytest.raises(CommandError, match="not pending"):
         jobs_command("run-now", a)
     assert worker.outcomes["succeeded"] == 1
+
+
+def test_a_listing_after_a_checkpoint_is_the_checkpoint_and_what_came_since(
+    own_topology, run_worker, records
+):
+    settings = get_settings()
+    kept = defer(record, 60, records, "kept")
+    cancelled = defer(record, 61, records, "cancelled")
+    moved = defer(timed, 62, records, "moved")
+    runs = defer(record, 0.3, records, "runs")
+    head = checkpoints.write(settings, timeout=30)
+    assert head.rows == 4 and len(head.pages) == 1
+    with StreamSession(settings.broker_urls, timeout=10) as session:
+        assert checkpoints.latest_head(settings, session) == head
+    # Since the checkpoint: a cancel, a new job, a move, and a run.
+    cancel(cancelled)
+    new = defer(record, 30, records, "new")
+    new_due = reschedule(moved, 90)
+    worker = run_worker()
+    assert wait_for(lambda: len(read_records(records)) == 1, 5)
+    assert wait_for(lambda: ids(pending()) == [new, kept, moved], 5), pending()
+    assert pending()[-1].due == new_due.replace(microsecond=new_due.microsecond // 1000 * 1000)
+    assert changes.look(settings, moved).state == "pending"
+    assert changes.look(settings, cancelled).state == "cancelled"
+    assert changes.look(settings, runs).state == "started"
+    # The next checkpoint holds the same, and so does a listing of it alone.
+    later = checkpoints.write(settings, timeout=30)
+    assert later.rows == 3 and later.ledger_offset > head.ledger_offset
+    assert ids(pending()) == [new, kept, moved]
+    assert ids(pending(due_after=datetime.now(UTC) + timedelta(seconds=45))) == [kept, moved]
+    assert worker.outcomes["succeeded"] == 1
+
+
+def test_the_keeper_writes_checkpoints(own_topology, run_worker, records, monkeypatch):
+    from deferred.worker import keeper
+
+    monkeypatch.setattr(keeper, "CHECKPOINT_FIRST_S", 0.2)
+    job = defer(record, 60, records, "waits")
+    worker = run_worker()
+    assert wait_for(lambda: worker.keeper is not None and worker.keeper.checkpointed.is_set(), 20)
+    settings = get_settings()
+    with StreamSession(settings.broker_urls, timeout=10) as session:
+        head = checkpoints.latest_head(settings, session)
+    assert head is not None and head.rows == 1
+    assert ids(pending()) == [job]
+
+
+def test_a_worker_killed_mid_job_leaves_exactly_the_pending_jobs_listed(
+    own_topology, worker_process, records
+):
+    env = {"DEFERRED_TEST_PREFIX": own_topology.prefix}
+    waiting = [defer(record, 60 + n, records, f"w{n}") for n in range(3)]
+    killed = defer(sleepy, 0, records, "killed", 5.0)
+    first = worker_process("--concurrency", "1", env=env)
+    assert wait_for(lambda: [r["event"] for r in read_records(records)] == ["start"], 10)
+    time.sleep(0.5)  # its "started" record is out
+    first.kill()
+    # Running when it was killed: not pending, and back in its queue for the next worker.
+    assert ids(pending()) == waiting
+    second = worker_process("--concurrency", "1", env=env)
+    assert wait_for(lambda: sum(r["event"] == "end" for r in read_records(records)) == 1, 20), (
+        second.output()
+    )
+    assert ids(pending()) == waiting
+    assert killed
+
+
+@pytest.mark.alone  # restarts the broker
+def test_the_ledger_lists_the_same_jobs_after_a_broker_restart(own_topology, records):
+    settings = get_settings()
+    waiting = [defer(record, 120 + n, records, f"w{n}") for n in range(3)]
+    checkpoints.write(settings, timeout=30)
+    after = defer(record, 130, records, "after")
+    rabbitmqctl("stop_app")
+    try:
+        time.sleep(1)
+    finally:
+        rabbitmqctl("start_app")
+    assert wait_for(lambda: _readable(), 30)
+    assert ids(pending()) == [*waiting, after]
+    cancel(waiting[0])
+    assert ids(pending()) == [*waiting[1:], after]
+
+
+def _readable() -> bool:
+    try:
+        pending()
+    except deferred.BrokerError:
+        return False
+    return True

@@ -265,12 +265,13 @@ def test_the_results_stream_keeps_result_ttl():
     assert any(b.destination == "p.results" and b.routing_key == "result" for b in plan.bindings)
 
 
-def test_the_publisher_role_may_read_the_results_and_nothing_else():
+def test_the_publisher_role_may_read_the_results_and_not_the_queues_of_jobs():
     import re
 
     publisher = permissions.for_role("publisher", "app")
     assert re.fullmatch(publisher.read, "app.results")
-    assert not re.fullmatch(publisher.read, "app.cancels")
+    assert not re.fullmatch(publisher.read, "app.failed")
+    assert not re.fullmatch(publisher.read, "app.ready.default")
     worker = permissions.for_role("worker", "app")
     assert re.fullmatch(worker.read, "app.results")
 

@@ -1,0 +1,212 @@
+"""The job ledger without a broker: rows, pages, heads, the fold of a checkpoint with
+the ledger's tail and the other streams, and moves in the cancels' view."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from deferred.core.jobs import Job, new_job_id
+from deferred.core.ledger_index import (
+    ROWS_PER_PAGE,
+    Head,
+    PageRef,
+    Waiting,
+    decode_page,
+    encode_page,
+    find_in_page,
+    fold,
+    newest,
+    paginate,
+    waiting_of,
+)
+from deferred.core.moves import MoveView, new_gen
+from deferred.core.pending_jobs import PREVIEW_BYTES, Filter, Starts
+from deferred.records.cancels import CancelView, decode_record
+
+AT = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
+NOW_MS = int(AT.timestamp() * 1000)
+
+
+def job(seconds: float, *, task: str = "app.send", **changes) -> Job:
+    due = AT + timedelta(seconds=seconds)
+    made = Job(
+        id=new_job_id(due, now=AT),
+        task=task,
+        args=(7, "x"),
+        kwargs={"k": 1},
+        due=due,
+        queue="default",
+        created=AT,
+    )
+    return replace(made, **changes)
+
+
+def row(seconds: float, offset: int = 0, **changes) -> Waiting:
+    return waiting_of(job(seconds, **changes), offset, results=True)
+
+
+def test_a_row_keeps_what_a_listing_shows_and_round_trips():
+    j = job(30, priority=5, key="cart:7")
+    r = waiting_of(j, 42, results=True)
+    assert Waiting.from_wire(r.wire()) == r
+    shown = r.public()
+    assert shown.id == j.id and shown.due == j.due and shown.enqueued == AT
+    assert shown.args == [7, "x"] and shown.kwargs == {"k": 1} and not shown.truncated
+    assert shown.priority == 5 and shown.key == "cart:7" and r.offset == 42
+    as_json = shown.as_dict()
+    assert as_json["due"] == j.due.isoformat() and as_json["args_preview"] == '[[7,"x"],{"k":1}]'
+
+
+def test_big_arguments_are_a_preview_only():
+    r = waiting_of(job(1, args=("y" * 5000,)), 0, results=True)
+    assert r.args is None and r.kwargs is None
+    assert len(r.preview.encode()) <= PREVIEW_BYTES + 3 and r.preview.endswith("…")
+    assert r.public().truncated
+
+
+def test_pages_and_heads_round_trip_and_refuse_anything_else():
+    rows = [row(n, offset=n) for n in range(5)]
+    body = encode_page("tok", 3, rows)
+    assert decode_page(body) == ("tok", 3, rows)
+    assert find_in_page(body, rows[2].id) == ("tok", rows[2])
+    assert find_in_page(body, new_job_id(AT)) == ("tok", None)
+    head = Head("tok", NOW_MS, 99, (PageRef(10, 1, 2, 5), PageRef(11, 3, 9, 4)))
+    assert Head.decode(head.encode()) == head and head.rows == 9
+    for bad in (b"", b"{}", b'{"v":2}', b"not json"):
+        with pytest.raises(ValueError):
+            Head.decode(bad)
+        with pytest.raises(ValueError):
+            decode_page(bad)
+
+
+def test_pages_cover_the_window_they_may_hold():
+    head = Head(
+        "t",
+        0,
+        0,
+        (PageRef(1, 100, 200, 9), PageRef(2, 200, 300, 9), PageRef(3, 300, 400, 9)),
+    )
+    assert head.pages_from(None, None) == [0, 1, 2]
+    assert head.pages_from(250, None) == [1, 2]
+    assert head.pages_from(200, None) == [0, 1, 2]  # rows due at 200 may be on page 0
+    assert head.pages_from(None, 200) == [0]
+    assert head.pages_from(401, None) == []
+
+
+def test_paginate_cuts_sorted_rows():
+    rows = [row(n) for n in range(ROWS_PER_PAGE * 2 + 1)]
+    pages = paginate(rows)
+    assert [len(p) for p in pages] == [ROWS_PER_PAGE, ROWS_PER_PAGE, 1]
+    assert [r for p in pages for r in p] == rows
+
+
+def fold_all(base, tail, *, starts=None, gone=(), stale=lambda _id, _gen: False, now_ms=NOW_MS):
+    return list(
+        fold(
+            base,
+            newest(tail, stale),
+            starts=starts or Starts(),
+            gone=lambda job_id: job_id in gone,
+            stale=stale,
+            now_ms=now_ms,
+        )
+    )
+
+
+def test_the_fold_merges_a_checkpoint_with_the_tail_soonest_first():
+    a, b, c = row(10), row(20), row(30)
+    d = row(15)
+    assert fold_all([a, b, c], [d]) == [a, d, b, c]
+
+
+def test_a_newer_record_replaces_the_checkpoints_row():
+    a = row(10)
+    retry = replace(a, due_ms=a.due_ms + 50_000, attempt=2, offset=9)
+    assert fold_all([a, row(20)], [retry])[-1] == retry
+    assert a not in fold_all([a], [retry])
+
+
+def test_started_cancelled_and_superseded_jobs_leave():
+    a, b, c = row(-5), row(-4), row(60)
+    starts = Starts()
+    starts.add({"id": a.id, "ev": "started", "a": 1})
+    assert fold_all([a, b, c], [], starts=starts, gone={c.id}) == [b]
+
+
+def test_a_retry_waits_while_only_its_earlier_attempt_started():
+    a = row(-5)
+    retry = replace(a, attempt=2, due_ms=a.due_ms + 1000)
+    starts = Starts()
+    starts.add({"id": a.id, "ev": "retrying", "a": 1})
+    assert fold_all([], [retry], starts=starts) == [retry]
+    starts.add({"id": a.id, "ev": "started", "a": 2})
+    assert fold_all([], [retry], starts=starts) == []
+
+
+def test_a_redriven_run_is_not_the_first_run():
+    a = row(-5)
+    starts = Starts()
+    starts.add({"id": a.id, "ev": "failed", "a": 3})
+    redriven = replace(a, run=a.due_ms + 9000)
+    assert fold_all([], [redriven], starts=starts) == [redriven]
+
+
+def test_a_job_without_results_is_listed_until_it_is_due():
+    late, soon = row(-1), row(1)
+    late, soon = replace(late, results=False), replace(soon, results=False)
+    assert fold_all([late, soon], []) == [soon]
+
+
+def test_of_a_moved_job_only_the_latest_moves_copy_is_listed():
+    gen = new_gen()
+    old = row(60)
+    moved = replace(old, due_ms=old.due_ms - 55_000, gen=gen, offset=5)
+    stale = lambda job_id, g: job_id == old.id and g != gen  # noqa: E731
+    assert fold_all([old], [moved], stale=stale) == [moved]
+    # A carried copy of the old record after the move does not bring it back.
+    assert fold_all([], [moved, old], stale=stale) == [moved]
+
+
+def test_the_move_view_keeps_the_latest_generation_until_it_is_due():
+    view = MoveView(margin_s=60)
+    job_id = new_job_id(AT)
+    now = AT.timestamp()
+    view.add(job_id, "g1", now + 10, now)
+    view.add(job_id, "g2", now + 20, now)
+    assert view.gen(job_id) == "g2" and view.due(job_id) == now + 20
+    assert view.is_stale(job_id, "g1") and view.is_stale(job_id, None)
+    assert not view.is_stale(job_id, "g2") and not view.is_stale(new_job_id(AT), None)
+    assert view.sweep(now + 79) == 0 and view.sweep(now + 81) == 1 and len(view) == 0
+
+
+def test_a_cancel_before_a_move_holds_until_the_moved_copy_is_due():
+    j = job(10)
+    view = CancelView(margin_s=60)
+    now = AT.timestamp()
+    view.add([j.id], AT, now)
+    moved = replace(j, due=AT + timedelta(hours=5), first_due_at=j.due, gen="g")
+    view.apply(decode_record(moved.encode()), now)
+    assert view.sweep(now + 3600) == 0 and j.id in view  # past the first due + margin
+    assert view.sweep(now + 5 * 3600 + 61) >= 1 and j.id not in view
+
+
+def test_a_cancel_after_a_move_holds_until_the_moved_copy_is_due():
+    j = job(10)
+    view = CancelView(margin_s=60)
+    now = AT.timestamp()
+    moved = replace(j, due=AT + timedelta(hours=5), first_due_at=j.due, gen="g")
+    view.apply(decode_record(moved.encode()), now)
+    view.add([j.id], AT, now)
+    view.sweep(now + 3600)
+    assert j.id in view
+
+
+def test_filters_select_rows():
+    r = row(30, priority=1, key="k")
+    assert r.matches(Filter(task="app.send", queue="default", key="k"))
+    assert not r.matches(Filter(task="other"))
+    assert r.matches(Filter(due_after=AT + timedelta(seconds=30)))
+    assert not r.matches(Filter(due_before=AT + timedelta(seconds=30)))
