@@ -95,7 +95,7 @@ def run(count: int, looks: int) -> dict[str, Any]:
         out["disk_bytes_per_job"] = (
             (out["broker_disk_mb_after"] - out["broker_disk_mb_before"]) * 1e6 / count
         )
-        ledger = sum(mb for name, mb in by_name.items() if ".ledger" in name)
+        ledger = sum(mb for name, mb in by_name.items() if "_ledger" in name)
         out["ledger_streams_bytes_per_job"] = ledger * 1e6 / count
         out["broker_rss_mb_per_1k_jobs"] = (
             (out["broker_rss_mb_after"] - out["broker_rss_mb_before"]) * 1000 / count

@@ -22,13 +22,13 @@ from deferred.broker import (
 )
 from deferred.core.context import current_job
 from deferred.core.limits import TimeLimitExceeded
+from deferred.core.pending_jobs import PendingJob
 from deferred.core.retries import Exponential, Retry
 from deferred.core.schedule import cron, every
 from deferred.producer.asynchronous import adefer, adefer_many
 from deferred.producer.publishing import defer, defer_many
 from deferred.producer.tasks import Task, task
 from deferred.records.cancels import cancel, cancel_many
-from deferred.core.pending_jobs import PendingJob
 from deferred.records.changes import JobNotPending, reschedule, run_now
 from deferred.records.listing import pending
 from deferred.records.results import Result, aresult, result

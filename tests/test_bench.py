@@ -37,3 +37,20 @@ def test_bench_smoke_run_writes_the_report(tmp_path, broker_url):
     report = (out / "README.md").read_text()
     for heading in ("## Targets", "## 1. Raw limit", "## 4. Sustained", "## 6. The alternatives"):
         assert heading in report
+
+
+def test_the_ledger_bench_runs_at_a_small_scale(tmp_path, broker_url):
+    out = tmp_path / "ledger.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "DJANGO_SETTINGS_MODULE": "bench.settings"}
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.ledger", "--pending", "3000", "--looks", "20", "--out", out],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (point,) = json.loads(out.read_text())["points"]
+    assert point["checkpoint_rows"] == 3000
+    assert point["list_first_page_s"]["max"] > 0 and point["show_ms"]["p99"] > 0

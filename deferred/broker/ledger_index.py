@@ -17,6 +17,7 @@ job makes five, and a connection costs about 9 ms to open and close):
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -28,6 +29,7 @@ import pika.exceptions as px
 from deferred.broker.admin import declared_queue
 from deferred.broker.connection import (
     CONNECTION_ERRORS,
+    NOT_FOUND,
     PERSISTENT,
     Node,
     Urls,
@@ -37,7 +39,7 @@ from deferred.broker.connection import (
     setting_up,
     within_deadline,
 )
-from deferred.broker.errors import BrokerUnavailable
+from deferred.broker.errors import NOT_DECLARED_HINT, BrokerUnavailable, TopologyNotDeclared
 from deferred.broker.results import close_later
 
 #: The headers a page carries: its checkpoint's token and its number.
@@ -74,18 +76,25 @@ class StreamSession:
             close_later(connection)
 
     def _channel(self, queue: str) -> tuple[pika.BlockingConnection, Any]:
+        # No passive declare first (a round trip each read): a consume of a stream
+        # that does not exist fails with 404, which _reading says as much of.
         if self._connection is None or not self._connection.is_open:
-            self._connection, self._node = open_connection(self.urls, timeout=self.timeout)
+            self._connection, self._node = _connection_for(self.urls, self.timeout)
         assert self._node is not None
         with setting_up(self._connection, self._node, f"read stream {queue}"):
             channel = self._connection.channel()
-            declared_queue(channel, queue, self._node)
         return self._connection, channel
 
     @contextmanager
     def _reading(self, queue: str) -> Iterator[None]:
         try:
             yield
+        except px.ChannelClosedByBroker as exc:
+            if exc.reply_code != NOT_FOUND:
+                raise BrokerUnavailable(f"Reading stream {queue} failed: {exc!r}") from exc
+            raise TopologyNotDeclared(
+                f"Queue {queue!r} does not exist ({exc.reply_text}). {NOT_DECLARED_HINT}"
+            ) from exc
         except (*CONNECTION_ERRORS, px.AMQPError) as exc:
             if self._node is not None:
                 self._node.lost()
@@ -120,10 +129,11 @@ class StreamSession:
         return got
 
     def read_at(
-        self, queue: str, offset: int, count: int
+        self, queue: str, offset: int, count: int, *, first_within: float = 1.0
     ) -> list[tuple[int, bytes, dict[str, Any]]]:
         """``count`` messages of stream ``queue`` from ``offset`` on (fewer if the stream
-        ends first: what came within the session's timeout)."""
+        ends first: what came within the session's timeout; none if nothing came within
+        ``first_within``, as from past the stream's end, where a read waits)."""
         got: list[tuple[int, bytes, dict[str, Any]]] = []
         with self._reading(queue):
             connection, channel = self._channel(queue)
@@ -136,9 +146,12 @@ class StreamSession:
 
             channel.basic_qos(prefetch_count=max(1, min(count, 100)))
             channel.basic_consume(queue, deliver, arguments={"x-stream-offset": offset})
-            deadline = time.monotonic() + self.timeout
+            started = time.monotonic()
+            deadline = started + self.timeout
             with within_deadline(connection, self.timeout + BACKSTOP_S):
                 while len(got) < count and time.monotonic() < deadline:
+                    if not got and time.monotonic() - started > first_within:
+                        break  # past the stream's end: it waits there, and sends nothing
                     connection.process_data_events(
                         time_limit=min(0.2, max(0.0, deadline - time.monotonic()))
                     )
@@ -153,7 +166,8 @@ class StreamSession:
         marker: tuple[str, str, bytes],
         is_marker: Callable[[bytes], str | None],
         credit: int = 2000,
-    ) -> None:
+        first_within: float | None = None,
+    ) -> bool:
         """Hand ``on_message(offset, body, headers)`` the messages of stream ``queue`` from
         ``offset`` to where the stream ended when the read began, until it returns True.
 
@@ -161,15 +175,21 @@ class StreamSession:
         which must route into the stream; ``is_marker(body)`` gives a marker's token
         (the body's own format: the stream's other readers know it, and skip it).
         ``BrokerUnavailable`` past the session's timeout, ``TopologyNotDeclared`` if
-        there is no stream."""
+        there is no stream.
+
+        ``first_within``: for a read from an offset that should hold a message,
+        how long to wait for it. A stream read from past its end waits there (as
+        for a stream deleted and declared again, shorter than before): False if
+        nothing came by then; True otherwise."""
         token = is_marker(marker[2])
-        end = {"done": False, "tag": 0}
+        end = {"done": False, "tag": 0, "seen": False}
         deadline = time.monotonic() + self.timeout
         with self._reading(queue):
             connection, channel = self._channel(queue)
 
             def deliver(_ch: Any, method: Any, props: Any, body: bytes) -> None:
                 end["tag"] = method.delivery_tag
+                end["seen"] = True
                 if end["done"]:
                     return
                 headers = dict(props.headers or {})
@@ -182,28 +202,78 @@ class StreamSession:
             channel.basic_consume(queue, deliver, arguments={"x-stream-offset": offset})
             with within_deadline(connection, self.timeout + BACKSTOP_S):
                 # The consumer is attached: what is published now lands after
-                # everything the read is for.
-                self._publisher(connection).basic_publish(
-                    marker[0], marker[1], marker[2], pika.BasicProperties(), mandatory=True
-                )
+                # everything the read is for. On the same channel, unconfirmed:
+                # the marker's own delivery is the proof the read waits for.
+                channel.basic_publish(marker[0], marker[1], marker[2], pika.BasicProperties())
+                started = time.monotonic()
                 while not end["done"]:
+                    if (
+                        first_within is not None
+                        and not end["seen"]
+                        and time.monotonic() - started > first_within
+                    ):
+                        return False
                     left = deadline - time.monotonic()
                     if left <= 0:
                         raise BrokerUnavailable(
                             f"Reading stream {queue} took more than {self.timeout:g} s."
                         )
-                    connection.process_data_events(time_limit=min(left, 0.5))
+                    connection.process_data_events(
+                        time_limit=min(left, 0.5 if first_within is None else 0.05)
+                    )
                     if end["tag"]:
                         channel.basic_ack(end["tag"], multiple=True)
                         end["tag"] = 0
+        return True
 
-    def _publisher(self, connection: pika.BlockingConnection) -> Any:
-        channel = getattr(self, "_confirming", None)
-        if channel is None or not channel.is_open:
-            channel = connection.channel()
-            channel.confirm_delivery()
-            self._confirming = channel
-        return channel
+
+#: Connections opened ahead for the next reads, per broker URLs: a look-up opens three
+#: (its reads overlap), 3-4 ms each, which the spares take off its way. A spare
+#: older than SPARE_MAX_AGE_S is closed instead (its heartbeats went unanswered).
+SPARES = 3
+SPARE_MAX_AGE_S = 20.0
+_spares: dict[tuple[str, ...], list[tuple[pika.BlockingConnection, Node, float]]] = {}
+_spares_lock = threading.Lock()
+_filling: set[tuple[str, ...]] = set()
+
+
+def _connection_for(urls: tuple[str, ...], timeout: float) -> tuple[pika.BlockingConnection, Node]:
+    """A connection for one session's reads: a spare opened ahead if there is a fresh
+    one, else a new one; and spares opened again behind it, on a thread."""
+    taken = None
+    with _spares_lock:
+        spares = _spares.setdefault(urls, [])
+        while spares and taken is None:
+            connection, node, made = spares.pop()
+            if time.monotonic() - made < SPARE_MAX_AGE_S and connection.is_open:
+                taken = (connection, node)
+            else:
+                close_later(connection)
+        fill = urls not in _filling
+        if fill:
+            _filling.add(urls)
+    if fill:
+        threading.Thread(
+            target=_fill, args=(urls, timeout), name="deferred-ledger-spares", daemon=True
+        ).start()
+    return taken if taken is not None else open_connection(urls, timeout=timeout)
+
+
+def _fill(urls: tuple[str, ...], timeout: float) -> None:
+    try:
+        while True:
+            with _spares_lock:
+                if len(_spares.get(urls, [])) >= SPARES:
+                    return
+            try:
+                connection, node = open_connection(urls, timeout=timeout)
+            except BrokerUnavailable:
+                return
+            with _spares_lock:
+                _spares.setdefault(urls, []).append((connection, node, time.monotonic()))
+    finally:
+        with _spares_lock:
+            _filling.discard(urls)
 
 
 def write_checkpoint(

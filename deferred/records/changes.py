@@ -24,9 +24,8 @@ from deferred.broker import ledger_index as ledger_io
 from deferred.conf import DeferredSettings, get_settings
 from deferred.core.delays import delay_ms
 from deferred.core.jobs import BrokenMessage, Job, due_ms_of, looks_like_id
-from deferred.core.ledger_index import Waiting, newest
+from deferred.core.ledger_index import Waiting
 from deferred.core.moves import MOVED_COPY, new_gen
-from deferred.core.pending_jobs import Starts
 from deferred.core.topology import plan_topology
 from deferred.producer.publishing import Prepared, dispatch, prepare_built
 from deferred.records import checkpoints
@@ -75,13 +74,20 @@ def look(
     already, the results."""
     if not isinstance(job_id, str) or not looks_like_id(job_id):
         raise ValueError(f"{job_id!r} is not a job id (32 hexadecimal digits).")
+    try:
+        return _look(settings, job_id, timeout, with_job)
+    except checkpoints.Stale:
+        # What this process kept was of streams since declared again: without it.
+        checkpoints.forget(settings)
+        return _look(settings, job_id, timeout, with_job)
+
+
+def _look(settings: DeferredSettings, job_id: str, timeout: float, with_job: bool) -> Look:
     started = time.monotonic()
     first_due = due_ms_of(job_id)
     with ledger_io.StreamSession(settings.broker_urls, timeout=timeout) as session:
-        # Three reads at once: the cancels; the head, then the tail after it; the head,
-        # then the page of the job's first due time.
-        cancels = checkpoints.in_parallel(checkpoints.read_cancels_alone, settings, timeout)
-        head = checkpoints.latest_head(settings, session)
+        # The page of the job's first due time, beside the head's tail and the cancels.
+        head = checkpoints.cached_head(settings)
         page = (
             checkpoints.in_parallel(
                 checkpoints.find_row_alone, settings, head, job_id, first_due, timeout
@@ -89,15 +95,19 @@ def look(
             if head is not None and first_due is not None
             else None
         )
-        tail, end = checkpoints.read_tail(
-            settings, session, -1 if head is None else head.ledger_offset
-        )
-        view = cancels.result()
-        state = checkpoints.State(head, newest(tail, view.moves.is_stale), end, view, Starts())
+        state = checkpoints.read_state(settings, session)
+        view = state.view
+        if page is not None and state.head is not head:
+            page.cancel()  # the head changed meanwhile: its own page
+            page = None
+        if page is None and state.head is not None and first_due is not None:
+            page = checkpoints.in_parallel(
+                checkpoints.find_row_alone, settings, state.head, job_id, first_due, timeout
+            )
         row = state.tail.get(job_id) or (page.result() if page is not None else None)
         moved = view.moves.due(job_id)
-        if row is None and head is not None and moved is not None:
-            row = checkpoints.find_row(settings, session, head, job_id, int(moved * 1000))
+        if row is None and state.head is not None and moved is not None:
+            row = checkpoints.find_row(settings, session, state.head, job_id, int(moved * 1000))
         job = _job_at(settings, session, row) if with_job else None
         if job_id in view:
             return Look(job, "cancelled", row)

@@ -18,9 +18,10 @@ import logging
 import threading
 import time
 import uuid
+import zlib
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
@@ -59,9 +60,17 @@ logger = logging.getLogger("deferred.ledger")
 #: How long a read of the heads waits for the newest before it takes the stream for
 #: empty (a topology no worker has run on yet).
 HEAD_WAIT_S = 0.3
+#: How long an incremental read waits for the message it saw last: a stream deleted
+#: and declared again (shorter) sends nothing from there, and is read whole instead.
+KNOWN_WAIT_S = 1.0
 #: How far before a checkpoint's reads a listing reads the results again: a start
 #: is recorded up to STARTED_AFTER_S and the writer's linger after it happened.
 RESULTS_MARGIN_MS = 5_000
+
+
+class Stale(broker.BrokerUnavailable):
+    """What this process kept of a topology's ledger is not what the broker holds (its
+    streams were deleted and declared again): read again without it."""
 
 
 @dataclass
@@ -136,14 +145,12 @@ def _read_run(
         for ref in batch:
             body = pages.get(ref.offset)
             if body is None:
-                raise broker.BrokerUnavailable(
+                raise Stale(
                     f"A page of the ledger's checkpoint {head.token} is gone (offset {ref.offset})."
                 )
             token, _number, rows = decode_page(body)
             if token != head.token:
-                raise broker.BrokerUnavailable(
-                    f"Offset {ref.offset} holds no page of checkpoint {head.token}."
-                )
+                raise Stale(f"Offset {ref.offset} holds no page of checkpoint {head.token}.")
             yield rows
 
 
@@ -161,9 +168,7 @@ def find_row(
                 continue
             token, row = find_in_page(body, job_id)
             if token != head.token:
-                raise broker.BrokerUnavailable(
-                    f"Offset {ref.offset} holds no page of checkpoint {head.token}."
-                )
+                raise Stale(f"Offset {ref.offset} holds no page of checkpoint {head.token}.")
             if row is not None:
                 return row
     return None
@@ -178,20 +183,26 @@ def find_row_alone(
 
 
 def read_tail(
-    settings: DeferredSettings, session: io.StreamSession, after: int
-) -> tuple[list[Waiting], int]:
+    settings: DeferredSettings,
+    session: io.StreamSession,
+    after: int,
+    *,
+    known: Known | None = None,
+) -> tuple[list[Waiting], Known | None]:
     """The job records of the ledger after offset ``after`` (-1: all), in stream order, as
-    rows; and the offset of the last one read (``after`` if none)."""
+    rows; and the last message read (``known`` if none). With ``known`` (the last
+    message an earlier read saw), the read starts at it, and returns ``None`` in place
+    of the rows if it is not there any more (the stream was deleted and declared again)."""
     plan = _plan(settings)
     assert plan.ledger_queue is not None
     keys = settings.signing_keys if settings.signing else None
     results_on = settings.results
     rows: list[Waiting] = []
-    last = after
+    reader = _Reader(known)
 
     def on_message(offset: int, body: bytes, headers: dict[str, Any]) -> bool:
-        nonlocal last
-        last = max(last, offset)
+        if not reader.see(offset, body):
+            return reader.gone
         if not body or body[:1] != b"{":
             return False
         try:
@@ -204,37 +215,93 @@ def read_tail(
         return False
 
     token = uuid.uuid4().hex
-    session.read_to_now(
+    if not session.read_to_now(
         plan.ledger_queue.name,
-        "first" if after < 0 else after + 1,
+        reader.start(after),
         on_message,
         marker=(plan.ingest_exchange, LEDGER_ROUTING_KEY, result_format.encode_marker(token)),
         is_marker=result_format.marker_of,
-    )
-    return rows, last
+        first_within=None if after < 0 and known is None else KNOWN_WAIT_S,
+    ):
+        reader.gone = True
+    return (None if reader.gone else rows), reader.last  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class Known:
+    """The last message a read saw: its offset and a checksum of its body."""
+
+    offset: int
+    crc: int
+
+
+class _Reader:
+    """Where an incremental read starts, and whether the stream is still the one read
+    before: it starts at the last message seen, which must be there, unchanged."""
+
+    def __init__(self, known: Known | None) -> None:
+        self.known = known
+        self.last = known
+        self.gone = False
+        self._checked = known is None
+
+    def start(self, after: int) -> int | str:
+        if self.known is not None:
+            return self.known.offset
+        return "first" if after < 0 else after + 1
+
+    def see(self, offset: int, body: bytes) -> bool:
+        """Whether to take this message (the first one of an incremental read is the
+        one seen before: checked, not taken again)."""
+        if not self._checked:
+            self._checked = True
+            assert self.known is not None
+            if offset != self.known.offset or zlib.crc32(body) != self.known.crc:
+                self.gone = True
+            return False
+        if self.last is None or offset > self.last.offset:
+            self.last = Known(offset, zlib.crc32(body))
+        return True
 
 
 def read_cancels(settings: DeferredSettings, session: io.StreamSession) -> CancelView:
     """The cancels, keys and moves in force: the cancels stream, read to now."""
-    plan = _plan(settings)
     view = CancelView(settings.cancel_margin_ms / 1000)
+    read_cancels_into(settings, session, view, None)
+    return view
+
+
+def read_cancels_into(
+    settings: DeferredSettings,
+    session: io.StreamSession,
+    view: CancelView,
+    known: Known | None,
+) -> tuple[bool, Known | None]:
+    """Apply to ``view`` the cancels stream from after ``known`` (``None``: all), read to
+    now; return whether the stream was still the one read before, and the last message
+    read. Nothing is applied when it was not."""
+    plan = _plan(settings)
     now = time.time()
     keys = settings.signing_keys if settings.signing else None
+    reader = _Reader(known)
+    records: list[Any] = []
 
-    def on_message(_offset: int, body: bytes, headers: dict[str, Any]) -> bool:
+    def on_message(offset: int, body: bytes, headers: dict[str, Any]) -> bool:
+        if not reader.see(offset, body):
+            return reader.gone
         try:
             record = cancel_records.decode_record(body)
             if keys is not None:
                 signing.verify(body, headers, keys)
         except ValueError:  # BadSignature too: what a worker would ignore
             return False
-        view.apply(record, now)
+        records.append(record)
         return False
 
     token = uuid.uuid4().hex
-    session.read_to_now(
+    if not session.read_to_now(
         plan.cancels_queue.name,
-        "first",
+        reader.start(-1),
         on_message,
         marker=(
             plan.ingest_exchange,
@@ -242,18 +309,118 @@ def read_cancels(settings: DeferredSettings, session: io.StreamSession) -> Cance
             cancel_records.encode_marker(token),
         ),
         is_marker=cancel_records.marker_of,
-    )
-    return view
+        first_within=None if known is None else KNOWN_WAIT_S,
+    ):
+        reader.gone = True
+    if reader.gone:
+        return False, None
+    for record in records:
+        view.apply(record, now)
+    return True, reader.last
 
 
-def read_state(settings: DeferredSettings, session: io.StreamSession) -> State:
+def read_state(
+    settings: DeferredSettings, session: io.StreamSession, *, cached: bool = True
+) -> State:
     """The newest checkpoint's head, the ledger's tail after it, and the cancels (read at
-    the same time, on a connection of their own)."""
-    cancels = in_parallel(read_cancels_alone, settings, session.timeout)
-    head = latest_head(settings, session)
-    tail, end = read_tail(settings, session, -1 if head is None else head.ledger_offset)
-    view = cancels.result()
-    return State(head, newest(tail, view.moves.is_stale), end, view, Starts())
+    the same time, on a connection of their own).
+
+    ``cached``: what this process read last time is kept (:class:`_Follow`): a
+    head for :data:`HEAD_TTL_S` (an older head is as right, with a longer tail),
+    and the tail and the cancels up to where they were read, so that the next
+    read is of what came since. A look-up of one job is then two markers' round
+    trips and a page."""
+    plan = _plan(settings)
+    if not cached:
+        cancels = in_parallel(read_cancels_alone, settings, session.timeout)
+        head = latest_head(settings, session)
+        tail, last = read_tail(settings, session, -1 if head is None else head.ledger_offset)
+        view = cancels.result()
+        end = -1 if head is None else head.ledger_offset
+        return State(
+            head,
+            newest(tail, view.moves.is_stale),
+            end if last is None else last.offset,
+            view,
+            Starts(),
+        )
+    key = (settings.broker_urls, plan.prefix, settings.signing_keys if settings.signing else None)
+    with _follows_lock:
+        follow = _follows.get(key)
+        if follow is None:
+            follow = _follows[key] = _Follow(CancelView(settings.cancel_margin_ms / 1000))
+    with follow.lock:
+        cancels = in_parallel(follow.read_cancels, settings, session.timeout)
+        if follow.head is None or time.monotonic() - follow.head_at > HEAD_TTL_S:
+            head = latest_head(settings, session)
+            if head is None or follow.head is None or head.token != follow.head.token:
+                follow.head, follow.rows, follow.tail = head, [], None
+            follow.head_at = time.monotonic()
+        after = -1 if follow.head is None else follow.head.ledger_offset
+        rows, last = read_tail(settings, session, after, known=follow.tail)
+        if rows is None:
+            # Not the ledger read before (declared again): this process forgets it all.
+            cancels.result()
+            forget(settings)
+            raise Stale("The ledger's streams are not the ones this process read before.")
+        follow.rows.extend(rows)
+        follow.tail = last
+        view = cancels.result()
+        return State(
+            follow.head,
+            newest(follow.rows, view.moves.is_stale),
+            after if last is None else last.offset,
+            view,
+            Starts(),
+        )
+
+
+def forget(settings: DeferredSettings) -> None:
+    """Drop what this process kept of the ledger of ``settings``' topology."""
+    plan = _plan(settings)
+    key = (settings.broker_urls, plan.prefix, settings.signing_keys if settings.signing else None)
+    with _follows_lock:
+        _follows.pop(key, None)
+
+
+def cached_head(settings: DeferredSettings) -> Head | None:
+    """The head this process read last for these settings, if any (it may be older
+    than the newest: still right, with a longer tail)."""
+    plan = _plan(settings)
+    key = (settings.broker_urls, plan.prefix, settings.signing_keys if settings.signing else None)
+    follow = _follows.get(key)
+    return None if follow is None else follow.head
+
+
+#: How long a process takes the head it read for the newest.
+HEAD_TTL_S = 5.0
+
+
+@dataclass
+class _Follow:
+    """What this process read of one topology's ledger: the head it took, the tail since
+    (rows, and the last message read), and the cancels' view (and its last message)."""
+
+    view: CancelView
+    head: Head | None = None
+    head_at: float = 0.0
+    rows: list[Waiting] = field(default_factory=list)
+    tail: Known | None = None
+    cancels: Known | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def read_cancels(self, settings: DeferredSettings, timeout: float) -> CancelView:
+        with io.StreamSession(settings.broker_urls, timeout=timeout) as session:
+            same, last = read_cancels_into(settings, session, self.view, self.cancels)
+            if not same:  # the stream was declared again: read it all
+                self.view = CancelView(settings.cancel_margin_ms / 1000)
+                same, last = read_cancels_into(settings, session, self.view, None)
+            self.cancels = last
+        return self.view
+
+
+_follows: dict[tuple[Any, ...], _Follow] = {}
+_follows_lock = threading.Lock()
 
 
 def read_cancels_alone(settings: DeferredSettings, timeout: float) -> CancelView:
@@ -332,7 +499,7 @@ def write(settings: DeferredSettings, *, timeout: float) -> Head:
 def _write(
     settings: DeferredSettings, session: io.StreamSession, deadline: _Deadline, made_ms: int
 ) -> Head:
-    state = read_state(settings, session)
+    state = read_state(settings, session, cached=False)
     plan = _plan(settings)
     assert plan.ledger_pages_queue is not None and plan.ledger_heads_queue is not None
     head = state.head

@@ -60,6 +60,15 @@ def pending(
 
 def rows(where: Filter, limit: int | None, *, timeout: float) -> list[Waiting]:
     """The rows :func:`pending` returns."""
+    try:
+        return _rows(where, limit, timeout=timeout)
+    except checkpoints.Stale:
+        # What this process kept was of streams since declared again: without it.
+        checkpoints.forget(get_settings())
+        return _rows(where, limit, timeout=timeout)
+
+
+def _rows(where: Filter, limit: int | None, *, timeout: float) -> list[Waiting]:
     settings = get_settings()
     started = time.monotonic()
     with StreamSession(settings.broker_urls, timeout=timeout) as session:

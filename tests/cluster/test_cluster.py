@@ -524,3 +524,44 @@ def test_a_worker_waits_out_the_node_of_its_classic_queues_with_declare_off(loca
     finally:
         with broker.admin_channel(URLS) as admin:
             admin.delete_everything(plan)
+
+
+def test_the_ledger_lists_and_moves_every_pending_job_with_a_node_killed(local_cluster):
+    import deferred
+    from deferred.records import checkpoints
+
+    with quorum_topology() as plan:
+        assert plan.ledger_queue is not None
+        first = defer_many([(timed, 600 + i, ("/dev/null", str(i))) for i in range(200)])
+        checkpoints.write(get_settings(), timeout=60)
+        later = defer_many([(timed, 900 + i, ("/dev/null", f"l{i}")) for i in range(50)])
+        expected = [*first, *later]
+        leaders = local_cluster.leader_counts(plan.prefix, [plan.ledger_queue.name])
+        victim = node_number(max(leaders, key=leaders.__getitem__)) if leaders else 1
+
+        def listed() -> list[str] | None:
+            try:
+                return [job.id for job in deferred.pending(limit=None, timeout=10)]
+            except deferred.BrokerError:
+                return None  # the streams' new leaders not elected yet
+
+        assert listed() == expected
+        # When the node leading the ledger is killed, every pending job is still listed
+        # (a reader fails over to another node, a stream elects a new leader),
+        local_cluster.kill(victim)
+        try:
+            assert wait_for(lambda: listed() == expected, 60), listed()
+            # and a job can be moved: it is listed at its new time, once.
+            assert wait_for(lambda: _moved(deferred, first[0]), 60)
+            again = listed()
+            assert again is not None and again[-1] == first[0] and len(again) == len(expected)
+        finally:
+            local_cluster.start(victim)
+
+
+def _moved(deferred_module, job_id: str) -> bool:
+    try:
+        deferred_module.reschedule(job_id, 3600)
+    except deferred_module.BrokerError:
+        return False
+    return True

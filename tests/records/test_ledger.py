@@ -20,7 +20,7 @@ from deferred.broker.ledger_index import StreamSession
 from deferred.conf import get_settings
 from deferred.core.jobs import new_job_id
 from deferred.records import changes, checkpoints
-from tests.conftest import rabbitmqctl, wait_for
+from tests.conftest import rabbitmqctl, remove_topologies, wait_for
 from tests.testapp.tasks import on_other, read_records, record, sleepy, timed
 
 
@@ -324,3 +324,17 @@ def _readable() -> bool:
     except deferred.BrokerError:
         return False
     return True
+
+
+def test_a_listing_after_the_topology_was_declared_again_reads_the_new_streams(
+    own_topology, broker_url, records
+):
+    settings = get_settings()
+    gone = defer(record, 60, records, "gone")
+    checkpoints.write(settings, timeout=30)
+    assert ids(pending()) == [gone]  # this process now keeps the head, tail and cancels read
+    remove_topologies(broker_url, own_topology)
+    call_command("declare_delay_topology", verbosity=0)
+    new = defer(record, 60, records, "new")
+    assert ids(pending()) == [new]
+    assert changes.look(settings, new, with_job=False).state == "pending"
