@@ -532,9 +532,10 @@ def test_the_ledger_lists_and_moves_every_pending_job_with_a_node_killed(local_c
 
     with quorum_topology() as plan:
         assert plan.ledger_queue is not None
-        first = defer_many([(timed, 600 + i, ("/dev/null", str(i))) for i in range(200)])
+        # Within the cluster settings' MAX_DELAY (60 s); no worker runs them.
+        first = defer_many([(timed, 30 + i * 0.05, ("/dev/null", str(i))) for i in range(200)])
         checkpoints.write(get_settings(), timeout=60)
-        later = defer_many([(timed, 900 + i, ("/dev/null", f"l{i}")) for i in range(50)])
+        later = defer_many([(timed, 45 + i * 0.05, ("/dev/null", f"l{i}")) for i in range(50)])
         expected = [*first, *later]
         leaders = local_cluster.leader_counts(plan.prefix, [plan.ledger_queue.name])
         victim = node_number(max(leaders, key=leaders.__getitem__)) if leaders else 1
@@ -561,7 +562,7 @@ def test_the_ledger_lists_and_moves_every_pending_job_with_a_node_killed(local_c
 
 def _moved(deferred_module, job_id: str) -> bool:
     try:
-        deferred_module.reschedule(job_id, 3600)
+        deferred_module.reschedule(job_id, 59)
     except deferred_module.BrokerError:
         return False
     return True

@@ -105,7 +105,9 @@ def test_the_export_lists_three_users_without_passwords(own_topology):
     assert "users" not in json.loads(out.getvalue())
 
 
-def test_the_publisher_can_defer_cancel_list_and_move_and_nothing_else(users, own_topology, raw_channel):
+def test_the_publisher_can_defer_cancel_list_and_move_and_nothing_else(
+    users, own_topology, raw_channel
+):
     publisher = users["publisher"]
     ready = own_topology.ready_queues["default"].name
     with as_user(publisher):
