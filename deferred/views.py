@@ -357,9 +357,11 @@ def _back(request: HttpRequest) -> HttpResponse:
 @staff_member_required
 @require_POST
 def cancel_pending(request: HttpRequest) -> HttpResponse:
-    """Cancel the pending jobs the section's filters select, once confirmed on a page."""
-    if request.POST.get("confirmed") == "yes":
-        return cancel(request)
+    """Cancel the pending jobs the section's filters select, once confirmed on a page.
+
+    The confirmation posts the filters back with the moment the page was shown, not
+    the ids (a form of a hundred thousand fields is more than Django takes): the
+    jobs that match then and were deferred before it are cancelled."""
     form = {name: request.POST.get(f"p_{name}", "").strip() for name in PENDING_FILTERS}
     try:
         rows = listing.pending(
@@ -368,12 +370,44 @@ def cancel_pending(request: HttpRequest) -> HttpResponse:
             due_after=_moment(form["after"], "Due after"),
             due_before=_moment(form["before"], "Due before"),
             limit=None,
+            timeout=PENDING_TIMEOUT_S,
         )
     except (TypeError, ValueError, BrokerError) as exc:
         messages.error(request, f"Nothing was cancelled: {exc}", fail_silently=True)
         return redirect("deferred:status")
-    context = _context(request, title="Cancel pending jobs?", chosen=rows, form=form)
-    return render(request, "deferred/cancel_confirm.html", context)
+    if request.POST.get("confirmed") != "yes":
+        context = _context(
+            request,
+            title="Cancel pending jobs?",
+            chosen=rows,
+            form=form,
+            shown_at=timezone.now().isoformat(),
+        )
+        return render(request, "deferred/cancel_confirm.html", context)
+    try:
+        shown_at = datetime.fromisoformat(request.POST.get("shown_at", ""))
+    except ValueError:
+        messages.error(
+            request, "Nothing was cancelled: the form was not shown.", fail_silently=True
+        )
+        return redirect("deferred:status")
+    ids = [row.id for row in rows if row.enqueued <= shown_at]
+    try:
+        cancels.cancel_many(ids)
+    except BrokerError as exc:
+        messages.error(
+            request,
+            f"The cancel may not have been taken: {exc} Cancelling again is harmless.",
+            fail_silently=True,
+        )
+    else:
+        messages.success(
+            request,
+            ngettext("%(n)d pending job cancelled.", "%(n)d pending jobs cancelled.", len(ids))
+            % {"n": len(ids)},
+            fail_silently=True,
+        )
+    return redirect("deferred:status")
 
 
 @csrf_exempt  # a machine's GET with a bearer token: no cookie, nothing changes

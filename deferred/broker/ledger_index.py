@@ -17,6 +17,7 @@ job makes five, and a connection costs about 9 ms to open and close):
 
 from __future__ import annotations
 
+import atexit
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -253,10 +254,25 @@ def _connection_for(urls: tuple[str, ...], timeout: float) -> tuple[pika.Blockin
         if fill:
             _filling.add(urls)
     if fill:
+        if not _spares_closing:
+            _spares_closing.append(True)
+            atexit.register(_close_spares)
         threading.Thread(
             target=_fill, args=(urls, timeout), name="deferred-ledger-spares", daemon=True
         ).start()
     return taken if taken is not None else open_connection(urls, timeout=timeout)
+
+
+_spares_closing: list[bool] = []
+
+
+def _close_spares() -> None:
+    """At exit: the spares no read took, closed rather than left to the broker."""
+    with _spares_lock:
+        spares = [c for found in _spares.values() for c, _node, _made in found]
+        _spares.clear()
+    for connection in spares:
+        close_quietly(connection)
 
 
 def _fill(urls: tuple[str, ...], timeout: float) -> None:

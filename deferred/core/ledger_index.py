@@ -283,11 +283,22 @@ def find_in_page(body: bytes, job_id: str) -> tuple[str, Waiting | None]:
         meta = None
     if not isinstance(meta, dict) or meta.get("v") != FORMAT_VERSION:
         raise ValueError("not a ledger page of a known version")
-    at = text.find(f'["{job_id}",', head_end)
-    if at < 0:
-        return str(meta.get("token")), None
-    row, _end = json.JSONDecoder().raw_decode(text, at)
-    return str(meta.get("token")), Waiting.from_wire(row)
+    token = str(meta.get("token"))
+    needle = f'["{job_id}",'
+    at = text.find(needle, head_end)
+    while at >= 0:
+        # A row starts the list or follows another; the same text inside a row's
+        # arguments is no row of its own.
+        if text[at - 1] in "[,":
+            try:
+                row, _end = json.JSONDecoder().raw_decode(text, at)
+                found = Waiting.from_wire(row)
+            except (TypeError, ValueError):
+                found = None
+            if found is not None and found.id == job_id:
+                return token, found
+        at = text.find(needle, at + 1)
+    return token, None
 
 
 def paginate(rows: list[Waiting]) -> list[list[Waiting]]:
@@ -295,12 +306,14 @@ def paginate(rows: list[Waiting]) -> list[list[Waiting]]:
     return [rows[i : i + ROWS_PER_PAGE] for i in range(0, len(rows), ROWS_PER_PAGE)]
 
 
-def newest(tail: Iterable[Waiting], stale: Callable[[str, str | None], bool]) -> dict[str, Waiting]:
+def newest(
+    tail: Iterable[Waiting], stale: Callable[[str, str | None, int], bool]
+) -> dict[str, Waiting]:
     """The newest row of each job among ``tail`` (in stream order): its latest record,
     or of a moved job its latest record of the latest move."""
     out: dict[str, Waiting] = {}
     for row in tail:
-        if stale(row.id, row.gen):
+        if stale(row.id, row.gen, row.attempt):
             out.setdefault(row.id, row)
             continue
         out[row.id] = row
@@ -313,7 +326,7 @@ def fold(
     *,
     starts: Starts,
     gone: Callable[[str], bool],
-    stale: Callable[[str, str | None], bool],
+    stale: Callable[[str, str | None, int], bool],
     now_ms: int,
 ) -> Iterator[Waiting]:
     """The pending jobs, soonest first: ``base`` (a checkpoint's rows, sorted) with the
@@ -322,7 +335,7 @@ def fold(
     kept = (r for r in base if r.id not in tail)
     added = sorted(tail.values(), key=lambda r: r.order)
     for row in heapq.merge(kept, added, key=lambda r: r.order):
-        if gone(row.id) or stale(row.id, row.gen):
+        if gone(row.id) or stale(row.id, row.gen, row.attempt):
             continue
         if starts.highest(row.id, row.run) >= row.attempt:
             continue

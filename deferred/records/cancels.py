@@ -239,7 +239,14 @@ class CancelView:
         """One record of the stream, read in the stream's order (``decode_record``)."""
         if isinstance(record, Job):
             if record.gen is not None:
-                self.moves.add(record.id, record.gen, record.due.timestamp(), now)
+                self.moves.add(
+                    record.id,
+                    record.gen,
+                    record.due.timestamp(),
+                    now,
+                    attempt=record.attempt,
+                    old_due_s=record.first_due.timestamp(),
+                )
                 # A cancel made before the move holds until the moved copy is due.
                 if record.id in self._until:
                     self._until[record.id] = max(

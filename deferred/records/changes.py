@@ -19,21 +19,18 @@ import time
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 
-from deferred.broker import COPY_HEADER
+from deferred.broker import COPY_HEADER, BrokerUnavailable
 from deferred.broker import ledger_index as ledger_io
 from deferred.conf import DeferredSettings, get_settings
 from deferred.core.delays import delay_ms
 from deferred.core.jobs import BrokenMessage, Job, due_ms_of, looks_like_id
 from deferred.core.ledger_index import Waiting
-from deferred.core.moves import MOVED_COPY, new_gen
+from deferred.core.moves import MOVED_COPY, RACE_S, new_gen
 from deferred.core.topology import plan_topology
 from deferred.producer.publishing import Prepared, dispatch, prepare_built
 from deferred.records import checkpoints
 from deferred.records.recording import keeps_result
 
-#: A job whose current copy is due within this of the move may be starting as it is
-#: moved (clocks apart, the time the look took): its moved copy runs only if it did not.
-RACE_S = 2.0
 #: How long the look at one job may read.
 LOOK_TIMEOUT_S = 30.0
 
@@ -76,18 +73,25 @@ def look(
         raise ValueError(f"{job_id!r} is not a job id (32 hexadecimal digits).")
     try:
         return _look(settings, job_id, timeout, with_job)
-    except checkpoints.Stale:
-        # What this process kept was of streams since declared again: without it.
+    except BrokerUnavailable:
+        # What this process kept was of streams since declared again, or a spare
+        # connection had gone: once more, without them.
         checkpoints.forget(settings)
+    try:
         return _look(settings, job_id, timeout, with_job)
+    except checkpoints.Stale:
+        # The newest checkpoint's pages are gone: the whole ledger.
+        return _look(settings, job_id, timeout, with_job, whole=True)
 
 
-def _look(settings: DeferredSettings, job_id: str, timeout: float, with_job: bool) -> Look:
+def _look(
+    settings: DeferredSettings, job_id: str, timeout: float, with_job: bool, whole: bool = False
+) -> Look:
     started = time.monotonic()
     first_due = due_ms_of(job_id)
     with ledger_io.StreamSession(settings.broker_urls, timeout=timeout) as session:
         # The page of the job's first due time, beside the head's tail and the cancels.
-        head = checkpoints.cached_head(settings)
+        head = None if whole else checkpoints.cached_head(settings)
         page = (
             checkpoints.in_parallel(
                 checkpoints.find_row_alone, settings, head, job_id, first_due, timeout
@@ -95,7 +99,7 @@ def _look(settings: DeferredSettings, job_id: str, timeout: float, with_job: boo
             if head is not None and first_due is not None
             else None
         )
-        state = checkpoints.read_state(settings, session)
+        state = checkpoints.read_state(settings, session, whole=whole)
         view = state.view
         if page is not None and state.head is not head:
             page.cancel()  # the head changed meanwhile: its own page
@@ -113,7 +117,7 @@ def _look(settings: DeferredSettings, job_id: str, timeout: float, with_job: boo
             return Look(job, "cancelled", row)
         if view.keys.is_superseded(job_id):
             return Look(job, "superseded", row)
-        if row is None or view.moves.is_stale(job_id, row.gen):
+        if row is None or view.moves.is_stale(job_id, row.gen, row.attempt):
             return Look(None, "unknown")
     left = max(0.1, timeout - (time.monotonic() - started))
     pending = list(
@@ -191,10 +195,13 @@ def _move(settings: DeferredSettings, job: Job, delay: object) -> datetime:
     due = now + timedelta(milliseconds=wait)
     moved = replace(job, due=due, first_due_at=job.first_due, gen=new_gen())
     prepared = prepare_built(moved, wait, False, settings)
-    if job.due <= now + timedelta(seconds=RACE_S):
-        if not (settings.results and keeps_result(job)):
+    # Its copy may be starting as this publishes, or another move of it due now may
+    # be (a double click): run only if no attempt of it started.
+    if job.due <= now + timedelta(seconds=RACE_S) or due <= now + timedelta(seconds=RACE_S):
+        if job.due <= now + timedelta(seconds=RACE_S) and not (
+            settings.results and keeps_result(job)
+        ):
             raise JobNotPending(job.id, "due now, and it keeps no results to tell if it started")
-        # Its copy may be starting as this publishes: run only if it did not.
         prepared = Prepared(
             prepared.job,
             prepared.wait_ms,

@@ -320,7 +320,11 @@ def read_cancels_into(
 
 
 def read_state(
-    settings: DeferredSettings, session: io.StreamSession, *, cached: bool = True
+    settings: DeferredSettings,
+    session: io.StreamSession,
+    *,
+    cached: bool = True,
+    whole: bool = False,
 ) -> State:
     """The newest checkpoint's head, the ledger's tail after it, and the cancels (read at
     the same time, on a connection of their own).
@@ -331,11 +335,14 @@ def read_state(
     read is of what came since. A look-up of one job is then two markers' round
     trips and a page."""
     plan = _plan(settings)
-    if not cached:
+    if not cached or whole:
+        # ``whole``: without the checkpoint (its pages gone), the ledger from its start.
         cancels = in_parallel(read_cancels_alone, settings, session.timeout)
-        head = latest_head(settings, session)
+        head = None if whole else latest_head(settings, session)
         tail, last = read_tail(settings, session, -1 if head is None else head.ledger_offset)
         view = cancels.result()
+        if tail is None:
+            raise Stale("The ledger has nothing where its newest checkpoint says it read to.")
         end = -1 if head is None else head.ledger_offset
         return State(
             head,
@@ -351,28 +358,41 @@ def read_state(
             follow = _follows[key] = _Follow(CancelView(settings.cancel_margin_ms / 1000))
     with follow.lock:
         cancels = in_parallel(follow.read_cancels, settings, session.timeout)
-        if follow.head is None or time.monotonic() - follow.head_at > HEAD_TTL_S:
-            head = latest_head(settings, session)
-            if head is None or follow.head is None or head.token != follow.head.token:
-                follow.head, follow.rows, follow.tail = head, [], None
-            follow.head_at = time.monotonic()
-        after = -1 if follow.head is None else follow.head.ledger_offset
-        rows, last = read_tail(settings, session, after, known=follow.tail)
-        if rows is None:
-            # Not the ledger read before (declared again): this process forgets it all.
-            cancels.result()
-            forget(settings)
-            raise Stale("The ledger's streams are not the ones this process read before.")
-        follow.rows.extend(rows)
-        follow.tail = last
-        view = cancels.result()
-        return State(
-            follow.head,
-            newest(follow.rows, view.moves.is_stale),
-            after if last is None else last.offset,
-            view,
-            Starts(),
-        )
+        try:
+            return _read_followed(settings, session, follow, cancels)
+        finally:
+            # Never two reads of one view at once: this one ends before the lock goes.
+            cancels.exception()
+
+
+def _read_followed(
+    settings: DeferredSettings,
+    session: io.StreamSession,
+    follow: _Follow,
+    cancels: Future[CancelView],
+) -> State:
+    if follow.head is None or time.monotonic() - follow.head_at > HEAD_TTL_S:
+        head = latest_head(settings, session)
+        if head is None or follow.head is None or head.token != follow.head.token:
+            follow.head, follow.rows, follow.tail = head, [], None
+        follow.head_at = time.monotonic()
+    after = -1 if follow.head is None else follow.head.ledger_offset
+    rows, last = read_tail(settings, session, after, known=follow.tail)
+    if rows is None:
+        # Not the ledger read before (declared again): this process forgets it all.
+        cancels.exception()
+        forget(settings)
+        raise Stale("The ledger's streams are not the ones this process read before.")
+    follow.rows.extend(rows)
+    follow.tail = last
+    view = cancels.result()
+    return State(
+        follow.head,
+        newest(follow.rows, view.moves.is_stale),
+        after if last is None else last.offset,
+        view,
+        Starts(),
+    )
 
 
 def forget(settings: DeferredSettings) -> None:
@@ -416,6 +436,7 @@ class _Follow:
                 self.view = CancelView(settings.cancel_margin_ms / 1000)
                 same, last = read_cancels_into(settings, session, self.view, None)
             self.cancels = last
+        self.view.sweep(time.time())
         return self.view
 
 
@@ -499,7 +520,12 @@ def write(settings: DeferredSettings, *, timeout: float) -> Head:
 def _write(
     settings: DeferredSettings, session: io.StreamSession, deadline: _Deadline, made_ms: int
 ) -> Head:
-    state = read_state(settings, session, cached=False)
+    try:
+        state = read_state(settings, session, cached=False)
+    except Stale:
+        # The checkpoint's pages are gone (retention) or were never there: from the
+        # whole ledger.
+        state = read_state(settings, session, cached=False, whole=True)
     plan = _plan(settings)
     assert plan.ledger_pages_queue is not None and plan.ledger_heads_queue is not None
     head = state.head

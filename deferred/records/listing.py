@@ -21,6 +21,7 @@ import time
 from collections.abc import Iterator
 from datetime import datetime
 
+from deferred.broker import BrokerUnavailable
 from deferred.broker.ledger_index import StreamSession
 from deferred.conf import get_settings
 from deferred.core.ledger_index import Waiting
@@ -62,17 +63,25 @@ def rows(where: Filter, limit: int | None, *, timeout: float) -> list[Waiting]:
     """The rows :func:`pending` returns."""
     try:
         return _rows(where, limit, timeout=timeout)
-    except checkpoints.Stale:
-        # What this process kept was of streams since declared again: without it.
+    except BrokerUnavailable:
+        # What this process kept was of streams since declared again, or a spare
+        # connection had gone: once more, without them.
         checkpoints.forget(get_settings())
+    try:
         return _rows(where, limit, timeout=timeout)
+    except checkpoints.Stale:
+        # The newest checkpoint's pages are gone (no keeper for longer than they are
+        # kept): the whole ledger.
+        return _rows(where, limit, timeout=timeout, whole=True)
 
 
-def _rows(where: Filter, limit: int | None, *, timeout: float) -> list[Waiting]:
+def _rows(
+    where: Filter, limit: int | None, *, timeout: float, whole: bool = False
+) -> list[Waiting]:
     settings = get_settings()
     started = time.monotonic()
     with StreamSession(settings.broker_urls, timeout=timeout) as session:
-        state = checkpoints.read_state(settings, session)
+        state = checkpoints.read_state(settings, session, whole=whole)
         head = state.head
         after_ms = None if where.due_after is None else int(where.due_after.timestamp() * 1000)
         before_ms = None if where.due_before is None else int(where.due_before.timestamp() * 1000)

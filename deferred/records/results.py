@@ -241,6 +241,16 @@ def lookup(settings: DeferredSettings, job_id: str, *, timeout: float | None = N
     return found if complete else replace(found, complete=False)
 
 
+def lookup_from(
+    settings: DeferredSettings, job_id: str, since: datetime, *, timeout: float | None = None
+) -> Result:
+    """:func:`lookup`, reading from ``since``: for a copy of a job moved earlier than the
+    time its id carries (``deferred.core.moves``), whose runs are recorded from then."""
+    records, complete = _read(settings, job_id, since, timeout)
+    found = fold(job_id, records)
+    return found if complete else replace(found, complete=False)
+
+
 def moved_to(records: Iterable[dict[str, Any]]) -> int | None:
     """Where the latest ``moved`` record among ``records`` says the job's run went (ms)."""
     to = None

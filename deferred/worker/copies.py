@@ -16,13 +16,16 @@ from __future__ import annotations
 import logging
 import math
 import time
+from datetime import timedelta
 
 from deferred.broker import COPY_HEADER, RESTART_COPY, BrokerError, Delivery
 from deferred.conf import DeferredSettings
 from deferred.core.jobs import Job, due_ms_of
+from deferred.core.moves import MOVED_COPY, RACE_S
 from deferred.records.recording import keeps_result
-from deferred.records.result_format import CANCELLED, FAILED, SUCCEEDED
+from deferred.records.result_format import CANCELLED, CLOCK_SLACK_S, FAILED, SUCCEEDED
 from deferred.records.results import lookup as read_result
+from deferred.records.results import lookup_from as read_result_from
 
 logger = logging.getLogger("deferred.worker")
 
@@ -85,7 +88,12 @@ def ended_elsewhere(settings: DeferredSettings, delivery: Delivery, job: Job) ->
     if run_key(job) != first_run_key(job) or not keeps_result(job):
         return False
     try:
-        found = read_result(settings, job.id, timeout=ELSEWHERE_TIMEOUT_S)
+        if delivery.headers.get(COPY_HEADER) == MOVED_COPY and job.due < job.first_due:
+            # Moved earlier: its other copy's run, if any, is recorded from the move on.
+            since = job.due - timedelta(seconds=CLOCK_SLACK_S + RACE_S)
+            found = read_result_from(settings, job.id, since, timeout=ELSEWHERE_TIMEOUT_S)
+        else:
+            found = read_result(settings, job.id, timeout=ELSEWHERE_TIMEOUT_S)
     except (BrokerError, ValueError) as exc:
         logger.info("job=%s could not be looked up in the results (%s); running it.", job.id, exc)
         return False

@@ -61,7 +61,7 @@ from deferred import broker
 from deferred.broker.ledger import EXCHANGE, PRIORITY, ROUTING_KEY
 from deferred.conf import DeferredSettings
 from deferred.core import ledger, notices
-from deferred.core.topology import LEDGER_KEEP_MS, Plan, plan_topology
+from deferred.core.topology import LEDGER_CHECKPOINTS_KEEP_MS, LEDGER_KEEP_MS, Plan, plan_topology
 from deferred.records import checkpoints
 
 logger = logging.getLogger("deferred.keeper")
@@ -362,8 +362,10 @@ class Keeper:
         except Exception:  # the keeper must never take the worker down
             logger.exception("Could not write the ledger's checkpoint.")
         took = time.monotonic() - started
-        self._next_checkpoint = time.monotonic() + max(
-            CHECKPOINT_EVERY_S, CHECKPOINT_COST_FACTOR * took
+        # Never so late that the newest checkpoint's pages are past their retention.
+        self._next_checkpoint = time.monotonic() + min(
+            max(CHECKPOINT_EVERY_S, CHECKPOINT_COST_FACTOR * took),
+            LEDGER_CHECKPOINTS_KEEP_MS / 1000 / 4,
         )
         self._checkpointing = None
 

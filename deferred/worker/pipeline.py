@@ -196,7 +196,7 @@ class Pipeline:
         # Read up to the same point: a later job of its key confirmed before
         # this one came due replaces it (deferred.core.keys).
         # A copy a later run_now() or reschedule() replaced (deferred.core.moves).
-        if self.cancels.view.moves.is_stale(job.id, job.gen):
+        if self.cancels.view.moves.is_stale(job.id, job.gen, job.attempt):
             # Its "moved" record says where the run's records are (deferred.core.moves).
             to_s = self.cancels.view.moves.due(job.id)
             to_ms = None if to_s is None else math.floor(to_s * 1000)

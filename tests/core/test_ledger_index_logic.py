@@ -103,7 +103,9 @@ def test_paginate_cuts_sorted_rows():
     assert [r for p in pages for r in p] == rows
 
 
-def fold_all(base, tail, *, starts=None, gone=(), stale=lambda _id, _gen: False, now_ms=NOW_MS):
+def fold_all(
+    base, tail, *, starts=None, gone=(), stale=lambda _id, _gen, _attempt: False, now_ms=NOW_MS
+):
     return list(
         fold(
             base,
@@ -164,7 +166,7 @@ def test_of_a_moved_job_only_the_latest_moves_copy_is_listed():
     gen = new_gen()
     old = row(60)
     moved = replace(old, due_ms=old.due_ms - 55_000, gen=gen, offset=5)
-    stale = lambda job_id, g: job_id == old.id and g != gen  # noqa: E731
+    stale = lambda job_id, g, _attempt: job_id == old.id and g != gen  # noqa: E731
     assert fold_all([old], [moved], stale=stale) == [moved]
     # A carried copy of the old record after the move does not bring it back.
     assert fold_all([], [moved, old], stale=stale) == [moved]
@@ -210,3 +212,26 @@ def test_filters_select_rows():
     assert not r.matches(Filter(task="other"))
     assert r.matches(Filter(due_after=AT + timedelta(seconds=30)))
     assert not r.matches(Filter(due_before=AT + timedelta(seconds=30)))
+
+
+def test_a_move_is_kept_as_long_as_the_copy_it_replaced_waits():
+    view = MoveView(margin_s=60)
+    job_id = new_job_id(AT + timedelta(days=10))
+    now = AT.timestamp()
+    # Run now a job due in ten days: its old copy comes due then, and must be dropped.
+    view.add(job_id, "g", now, now, old_due_s=now + 10 * 86400)
+    assert view.sweep(now + 9 * 86400) == 0 and view.is_stale(job_id, None)
+    assert view.sweep(now + 10 * 86400 + 61) == 1
+    # A later move keeps what the earlier one had to keep.
+    view.add(job_id, "g1", now, now, old_due_s=now + 86400)
+    view.add(job_id, "g2", now + 5, now, old_due_s=now + 60)
+    assert view.until(job_id) == now + 86400 + 60 and view.gen(job_id) == "g2"
+
+
+def test_the_retry_of_an_old_copy_that_started_before_the_move_runs():
+    view = MoveView(margin_s=60)
+    job_id = new_job_id(AT)
+    now = AT.timestamp()
+    view.add(job_id, "g", now + 5, now, attempt=1)
+    assert view.is_stale(job_id, None, 1)
+    assert not view.is_stale(job_id, None, 2)  # its moved copy was a duplicate of attempt 1

@@ -76,8 +76,15 @@ def test_staff_runs_a_job_now_moves_one_and_cancels_by_filter(
     text = confirm.content.decode()
     assert "these 2 pending jobs" in text and all(g in text for g in gone)
     assert {j.id for j in pending(queue="other")} == set(gone)  # not yet
-    client.post("/deferred/pending/cancel/", {"id": gone, "confirmed": "yes"})
-    assert pending(queue="other") == []
+    # Confirmed: the jobs that match and were deferred before the page was shown.
+    later = defer(on_other, 60, records, "deferred after the page")
+    shown_at = text.split('name="shown_at" value="')[1].split('"')[0]
+    client.post(
+        "/deferred/pending/cancel/",
+        {"p_queue": "other", "shown_at": shown_at, "confirmed": "yes"},
+    )
+    assert [j.id for j in pending(queue="other")] == [later]
+    client.post("/deferred/cancel/", {"id": later})
     run_worker()
     assert wait_for(lambda: {r["label"] for r in read_records(records)} == {"now", "moved"}, 10)
     bad = client.post("/deferred/pending/move/", {"id": now_job, "in": "0"}, follow=True)
@@ -89,7 +96,10 @@ def test_non_staff_cannot_move_or_cancel(client: Client, member, own_topology, r
     client.force_login(member)
     for response in (
         client.post("/deferred/pending/move/", {"id": job, "in": "0"}),
-        client.post("/deferred/pending/cancel/", {"id": job, "confirmed": "yes"}),
+        client.post(
+            "/deferred/pending/cancel/",
+            {"shown_at": "2030-01-01T00:00:00+00:00", "confirmed": "yes"},
+        ),
     ):
         assert response.status_code == 302
         assert response["Location"].startswith("/admin/login/")
