@@ -20,7 +20,7 @@ import time
 import uuid
 import zlib
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, TypeVar
@@ -451,18 +451,27 @@ def read_cancels_alone(settings: DeferredSettings, timeout: float) -> CancelView
 
 
 def in_parallel(call: Callable[..., T], *args: Any) -> Future[T]:
-    """``call(*args)`` on the ledger readers' threads: a look-up's reads that do not
-    wait for each other overlap (each is mostly a wait on the broker)."""
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="deferred-ledger")
-    return _pool.submit(call, *args)
+    """``call(*args)`` on a thread of its own: a look-up's reads that do not wait for
+    each other overlap (each is mostly a wait on the broker).
+
+    A daemon thread, not an executor's: Python waits for an executor's threads at
+    exit, and a read blocked on a connection that went (a worker paused with
+    SIGSTOP, then stopped) would hold the process up to its timeout."""
+    future: Future[T] = Future()
+
+    def run() -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(call(*args))
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name="deferred-ledger-read", daemon=True).start()
+    return future
 
 
 T = TypeVar("T")
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
 
 
 def read_results(
