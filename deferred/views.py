@@ -32,6 +32,7 @@ from django.views.decorators.http import require_GET, require_POST
 
 from deferred.broker import BrokerError
 from deferred.conf import get_settings
+from deferred.core.pending_jobs import PendingJob
 from deferred.operate import status, status_text
 from deferred.records import cancels, changes, failures, listing, results
 from deferred.records.result_format import SUCCEEDED
@@ -123,14 +124,7 @@ def _pending_section(request: HttpRequest, settings: Any) -> dict[str, Any]:
     except ValueError:
         page = 1
     try:
-        rows = listing.pending(
-            task=form["task"] or None,
-            queue=form["queue"] or None,
-            due_after=_moment(form["after"], "Due after"),
-            due_before=_moment(form["before"], "Due before"),
-            limit=page * PAGE_SIZE + 1,
-            timeout=PENDING_TIMEOUT_S,
-        )
+        rows = _pending_of(form, page * PAGE_SIZE + 1)
     except (TypeError, ValueError) as exc:
         return {"pending_form": form, "pending_error": str(exc)}
     except BrokerError as exc:
@@ -154,6 +148,18 @@ def _pending_section(request: HttpRequest, settings: Any) -> dict[str, Any]:
 
 #: The section's filters, as the page's GET parameters name them (``p_task``...).
 PENDING_FILTERS = ("task", "queue", "after", "before")
+
+
+def _pending_of(form: dict[str, str], limit: int | None) -> list[PendingJob]:
+    """The pending jobs the section's filters (``form``) select, soonest first."""
+    return listing.pending(
+        task=form["task"] or None,
+        queue=form["queue"] or None,
+        due_after=_moment(form["after"], "Due after"),
+        due_before=_moment(form["before"], "Due before"),
+        limit=limit,
+        timeout=PENDING_TIMEOUT_S,
+    )
 
 
 def _moment(text: str, label: str) -> datetime | None:
@@ -364,14 +370,7 @@ def cancel_pending(request: HttpRequest) -> HttpResponse:
     jobs that match then and were deferred before it are cancelled."""
     form = {name: request.POST.get(f"p_{name}", "").strip() for name in PENDING_FILTERS}
     try:
-        rows = listing.pending(
-            task=form["task"] or None,
-            queue=form["queue"] or None,
-            due_after=_moment(form["after"], "Due after"),
-            due_before=_moment(form["before"], "Due before"),
-            limit=None,
-            timeout=PENDING_TIMEOUT_S,
-        )
+        rows = _pending_of(form, None)
     except (TypeError, ValueError, BrokerError) as exc:
         messages.error(request, f"Nothing was cancelled: {exc}", fail_silently=True)
         return redirect("deferred:status")

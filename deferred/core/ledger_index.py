@@ -39,7 +39,7 @@ import heapq
 import json
 import zlib
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from datetime import UTC, datetime
 from typing import Any
 
@@ -77,60 +77,17 @@ class Waiting:
     results: bool = True
 
     def wire(self) -> list[Any]:
-        return [
-            self.id,
-            self.due_ms,
-            self.task,
-            self.queue,
-            self.priority,
-            self.key,
-            self.enqueued_ms,
-            self.attempt,
-            self.gen,
-            self.run,
-            self.preview,
-            self.args,
-            self.kwargs,
-            self.offset,
-            int(self.results),
-        ]
+        """The row as a page keeps it: its fields in order, ``results`` as 0 or 1."""
+        return [*(getattr(self, name) for name in _NAMES[:-1]), int(self.results)]
 
     @classmethod
     def from_wire(cls, row: list[Any]) -> Waiting:
-        (
-            job_id,
-            due_ms,
-            task,
-            queue,
-            priority,
-            key,
-            enqueued_ms,
-            attempt,
-            gen,
-            run,
-            preview,
-            args,
-            kwargs,
-            offset,
-            results,
-        ) = row
-        return cls(
-            job_id,
-            due_ms,
-            task,
-            queue,
-            priority,
-            key,
-            enqueued_ms,
-            attempt,
-            gen,
-            run,
-            preview,
-            args,
-            kwargs,
-            offset,
-            bool(results),
-        )
+        """``ValueError`` for a row of another length."""
+        if len(row) != len(_NAMES):
+            raise ValueError(f"a ledger row has {len(_NAMES)} fields, not {len(row)}")
+        values = dict(zip(_NAMES, row, strict=True))
+        values["results"] = bool(values["results"])
+        return cls(**values)
 
     def public(self) -> PendingJob:
         return PendingJob(
@@ -161,6 +118,10 @@ class Waiting:
     @property
     def order(self) -> tuple[int, str]:
         return (self.due_ms, self.id)
+
+
+#: A row's fields, in the order a page keeps them.
+_NAMES = tuple(f.name for f in fields(Waiting))
 
 
 def waiting_of(job: Any, offset: int, *, results: bool) -> Waiting:

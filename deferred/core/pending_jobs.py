@@ -22,7 +22,6 @@ Pure: the reads are :mod:`deferred.records.pending`'s.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -43,15 +42,6 @@ class Filter:
     key: str | None = None
     due_after: datetime | None = None
     due_before: datetime | None = None
-
-    def matches(self, job: Job) -> bool:
-        return (
-            (self.task is None or job.task == self.task)
-            and (self.queue is None or job.queue == self.queue)
-            and (self.key is None or job.key == self.key)
-            and (self.due_after is None or job.due >= self.due_after)
-            and (self.due_before is None or job.due < self.due_before)
-        )
 
 
 @dataclass(frozen=True)
@@ -124,10 +114,6 @@ class Starts:
         if a > self._highest.get(key, 0):
             self._highest[key] = a
 
-    def started(self, job: Job) -> bool:
-        """Whether the attempt ``job`` waits for started (or ended) somewhere."""
-        return self.highest(job.id, run_of(job)) >= job.attempt
-
     def highest(self, job_id: str, run: int | None) -> int:
         """The highest attempt of that run of ``job_id`` with a record (0: none)."""
         return self._highest.get((job_id, run), 0)
@@ -138,19 +124,3 @@ class Starts:
 RECORDED_EVENTS = frozenset(
     {"started", "succeeded", "failed", "retrying", "cancelled", "superseded", "dropped"}
 )
-
-
-def is_pending(
-    job: Job,
-    *,
-    starts: Starts,
-    cancelled: Callable[[str], bool],
-    superseded: Callable[[str], bool],
-    now: datetime,
-    keeps_result: Callable[[Job], bool],
-) -> bool:
-    """Whether ``job`` (its newest record) still waits to run."""
-    if cancelled(job.id) or superseded(job.id) or starts.started(job):
-        return False
-    # Without results nothing says it ran: listed until it is due.
-    return keeps_result(job) or job.due > now
