@@ -17,6 +17,14 @@ page of a listing is one message), the ledger's tail after the checkpoint,
 the cancels, and the results since the checkpoint for the jobs already due
 (:func:`fold` is the same rule for the keeper and for a listing).
 
+Finding one job: its id carries its first due time, and its row is on the first
+two pages that may hold that time (rows due at one millisecond straddle two). A
+row found no such way (a retry due later, a job moved, more than a page of jobs
+due at one millisecond, an id without a due time) is written a second time, in
+"away" pages sorted by id, which the head lists by their first and last ids
+(:func:`away_rows`): a look-up reads one more page for them, and a checkpoint
+costs one more row per such job.
+
 Retention and compaction: a checkpoint is the compaction. Each one rewrites
 what is still pending and nothing else, so the pages hold one row per pending
 job whatever was published or ran before; the pages stream keeps
@@ -35,6 +43,7 @@ Pure: the reads and writes are :mod:`deferred.records.checkpoints`'.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import json
 import zlib
@@ -159,6 +168,16 @@ class PageRef:
 
 
 @dataclass(frozen=True)
+class AwayRef:
+    """Where one "away" page is (rows sorted by id), and its first and last ids."""
+
+    offset: int
+    first_id: str
+    last_id: str
+    rows: int
+
+
+@dataclass(frozen=True)
 class Head:
     """One checkpoint: its pages, and how far it read the ledger and the results."""
 
@@ -170,6 +189,8 @@ class Head:
     #: The last ledger offset folded in (-1: none).
     ledger_offset: int
     pages: tuple[PageRef, ...]
+    #: The pages of the rows a look-up by due time does not find (:func:`away_rows`).
+    away: tuple[AwayRef, ...] = ()
 
     @property
     def rows(self) -> int:
@@ -183,6 +204,7 @@ class Head:
                 "made": self.made_ms,
                 "ledger": self.ledger_offset,
                 "pages": [[p.offset, p.first_ms, p.last_ms, p.rows] for p in self.pages],
+                "away": [[a.offset, a.first_id, a.last_id, a.rows] for a in self.away],
             },
             separators=(",", ":"),
         ).encode()
@@ -195,9 +217,28 @@ class Head:
             if data.get("v") != FORMAT_VERSION:
                 raise ValueError("not a ledger head of a known version")
             pages = tuple(PageRef(int(o), int(f), int(la), int(r)) for o, f, la, r in data["pages"])
-            return cls(str(data["token"]), int(data["made"]), int(data["ledger"]), pages)
+            # A head written before away pages has none.
+            away = tuple(
+                AwayRef(int(o), str(f), str(la), int(r)) for o, f, la, r in data.get("away", ())
+            )
+            return cls(str(data["token"]), int(data["made"]), int(data["ledger"]), pages, away)
         except (AttributeError, KeyError, TypeError, UnicodeDecodeError) as exc:
             raise ValueError(f"not a ledger head: {exc}") from None
+
+    def pages_of(self, first_due_ms: int | None) -> list[int]:
+        """The indexes of the (at most two) pages a look-up of a job first due at
+        ``first_due_ms`` reads; the rest of its rows are in the away pages."""
+        if first_due_ms is None:
+            return []
+        start = bisect.bisect_left([p.last_ms for p in self.pages], first_due_ms)
+        return list(range(start, min(start + 2, len(self.pages))))
+
+    def away_page(self, job_id: str) -> int | None:
+        """The index of the away page that may hold ``job_id``'s row, if any."""
+        at = bisect.bisect_right([a.first_id for a in self.away], job_id) - 1
+        if at >= 0 and job_id <= self.away[at].last_id:
+            return at
+        return None
 
     def pages_from(self, due_after_ms: int | None, due_before_ms: int | None) -> list[int]:
         """The indexes of the pages that may hold rows due in the window, in order."""
@@ -265,6 +306,22 @@ def find_in_page(body: bytes, job_id: str) -> tuple[str, Waiting | None]:
 def paginate(rows: list[Waiting]) -> list[list[Waiting]]:
     """Sorted rows, cut into pages."""
     return [rows[i : i + ROWS_PER_PAGE] for i in range(0, len(rows), ROWS_PER_PAGE)]
+
+
+def away_rows(
+    pages: list[list[Waiting]], first_due_of: Callable[[str], int | None]
+) -> list[Waiting]:
+    """The rows of ``pages`` (sorted by due time) that :meth:`Head.pages_of` their first
+    due time (``first_due_of(id)``) does not point at, sorted by id: the away pages'."""
+    lasts = [page[-1].due_ms for page in pages]
+    away = []
+    for index, page in enumerate(pages):
+        for row in page:
+            first = first_due_of(row.id)
+            if first is None or not 0 <= index - bisect.bisect_left(lasts, first) < 2:
+                away.append(row)
+    away.sort(key=lambda r: r.id)
+    return away
 
 
 def newest(

@@ -29,11 +29,13 @@ from deferred import broker
 from deferred.broker import ledger_index as io
 from deferred.conf import DeferredSettings
 from deferred.core import signing
-from deferred.core.jobs import BrokenMessage, Job
+from deferred.core.jobs import BrokenMessage, Job, due_ms_of
 from deferred.core.ledger_index import (
+    AwayRef,
     Head,
     PageRef,
     Waiting,
+    away_rows,
     decode_page,
     encode_page,
     find_in_page,
@@ -157,18 +159,22 @@ def _read_run(
 def find_row(
     settings: DeferredSettings, session: io.StreamSession, head: Head, job_id: str, due_ms: int
 ) -> Waiting | None:
-    """The row of ``job_id`` in ``head``'s checkpoint, looked for on the pages that may
-    hold a job due at ``due_ms`` (rows due at one millisecond may straddle two)."""
+    """The row of ``job_id`` in ``head``'s checkpoint: on the pages that may hold a job
+    due at ``due_ms`` (rows due at one millisecond may straddle two), else on the away
+    page of its id (``deferred.core.ledger_index.away_rows``)."""
     plan = _plan(settings)
     assert plan.ledger_pages_queue is not None
-    for index in head.pages_from(due_ms, None)[:2]:
-        ref = head.pages[index]
-        for offset, body, _headers in session.read_at(plan.ledger_pages_queue.name, ref.offset, 1):
-            if offset != ref.offset:
+    offsets = [head.pages[i].offset for i in head.pages_of(due_ms)]
+    away = head.away_page(job_id)
+    if away is not None:
+        offsets.append(head.away[away].offset)
+    for at in offsets:
+        for offset, body, _headers in session.read_at(plan.ledger_pages_queue.name, at, 1):
+            if offset != at:
                 continue
             token, row = find_in_page(body, job_id)
             if token != head.token:
-                raise Stale(f"Offset {ref.offset} holds no page of checkpoint {head.token}.")
+                raise Stale(f"Offset {at} holds no page of checkpoint {head.token}.")
             if row is not None:
                 return row
     return None
@@ -562,14 +568,19 @@ def _write(
     )
     token = uuid.uuid4().hex
     pages = paginate(rows)
-    bodies = [encode_page(token, n, page) for n, page in enumerate(pages)]
+    away = paginate(away_rows(pages, due_ms_of))
+    bodies = [encode_page(token, n, page) for n, page in enumerate(pages + away)]
 
     def head_for(offsets: list[int]) -> bytes:
         refs = tuple(
             PageRef(offset, page[0].due_ms, page[-1].due_ms, len(page))
-            for offset, page in zip(offsets, pages, strict=True)
+            for offset, page in zip(offsets[: len(pages)], pages, strict=True)
         )
-        return Head(token, made_ms, state.tail_end, refs).encode()
+        away_refs = tuple(
+            AwayRef(offset, page[0].id, page[-1].id, len(page))
+            for offset, page in zip(offsets[len(pages) :], away, strict=True)
+        )
+        return Head(token, made_ms, state.tail_end, refs, away_refs).encode()
 
     offsets = io.write_checkpoint(
         settings.broker_urls,

@@ -8,12 +8,14 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from deferred.core.jobs import Job, new_job_id
+from deferred.core.jobs import Job, due_ms_of, new_job_id
 from deferred.core.ledger_index import (
     ROWS_PER_PAGE,
+    AwayRef,
     Head,
     PageRef,
     Waiting,
+    away_rows,
     decode_page,
     encode_page,
     find_in_page,
@@ -75,6 +77,11 @@ def test_pages_and_heads_round_trip_and_refuse_anything_else():
     assert find_in_page(body, new_job_id(AT)) == ("tok", None)
     head = Head("tok", NOW_MS, 99, (PageRef(10, 1, 2, 5), PageRef(11, 3, 9, 4)))
     assert Head.decode(head.encode()) == head and head.rows == 9
+    away = replace(head, away=(AwayRef(12, "0a", "0f", 3),))
+    assert Head.decode(away.encode()) == away and away.rows == 9
+    # A head written before away pages existed reads as one without them.
+    older = b'{"v":1,"token":"tok","made":1,"ledger":99,"pages":[[10,1,2,5]]}'
+    assert Head.decode(older).away == ()
     for bad in (b"", b"{}", b'{"v":2}', b"not json"):
         with pytest.raises(ValueError):
             Head.decode(bad)
@@ -94,6 +101,49 @@ def test_pages_cover_the_window_they_may_hold():
     assert head.pages_from(200, None) == [0, 1, 2]  # rows due at 200 may be on page 0
     assert head.pages_from(None, 200) == [0]
     assert head.pages_from(401, None) == []
+
+
+def test_a_look_up_reads_the_two_pages_of_its_first_due_time_or_the_away_page_of_its_id():
+    head = Head(
+        "t",
+        0,
+        0,
+        (PageRef(1, 100, 200, 9), PageRef(2, 200, 300, 9), PageRef(3, 300, 400, 9)),
+        (AwayRef(4, "10", "3f", 9), AwayRef(5, "40", "7f", 9)),
+    )
+    assert head.pages_of(200) == [0, 1]
+    assert head.pages_of(250) == [1, 2]
+    assert head.pages_of(400) == [2]
+    assert head.pages_of(401) == [] and head.pages_of(None) == []
+    assert head.away_page("10") == 0 and head.away_page("2a") == 0 and head.away_page("3f") == 0
+    assert head.away_page("40") == 1 and head.away_page("7f") == 1
+    assert head.away_page("0f") is None and head.away_page("3f0") is None
+    assert head.away_page("80") is None
+
+
+def test_rows_a_look_up_by_due_time_misses_are_away():
+    retried = row(1)
+    retried = replace(retried, due_ms=retried.due_ms + 60_000, attempt=1)
+    crowd = [row(30) for _ in range(5)]
+    crowd = [replace(r, due_ms=crowd[0].due_ms) for r in crowd]  # due at one millisecond
+    home = [row(2), row(3), *crowd, row(40), retried]
+    pages = [home[i : i + 2] for i in range(0, len(home), 2)]
+    first_due_of = {r.id: due_ms_of(r.id) for r in home}
+    away = away_rows(pages, first_due_of.get)
+    # Pages [2, 3] [c0, c1] [c2, c3] [c4, 40] [retry]: the retry, due a minute after its
+    # id says, and the crowd's row past the two pages of its due time.
+    assert away == sorted([retried, crowd[4]], key=lambda r: r.id)
+    head = Head(
+        "t",
+        0,
+        0,
+        tuple(PageRef(n, p[0].due_ms, p[-1].due_ms, len(p)) for n, p in enumerate(pages)),
+    )
+    for index, page in enumerate(pages):
+        for r in page:
+            assert (r in away) == (index not in head.pages_of(due_ms_of(r.id))), r
+    # An id without a due time is found by its id only.
+    assert away_rows([[row(5)]], lambda _id: None) != []
 
 
 def test_paginate_cuts_sorted_rows():

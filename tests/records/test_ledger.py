@@ -21,7 +21,7 @@ from deferred.conf import get_settings
 from deferred.core.jobs import new_job_id
 from deferred.records import changes, checkpoints
 from tests.conftest import rabbitmqctl, remove_topologies, wait_for
-from tests.testapp.tasks import on_other, read_records, record, sleepy, timed
+from tests.testapp.tasks import late_retry, on_other, read_records, record, sleepy, timed
 
 
 def ids(rows) -> list[str]:
@@ -265,6 +265,41 @@ def test_a_listing_after_a_checkpoint_is_the_checkpoint_and_what_came_since(
     assert ids(pending()) == [new, kept, moved]
     assert ids(pending(due_after=datetime.now(UTC) + timedelta(seconds=45))) == [kept, moved]
     assert worker.outcomes["succeeded"] == 1
+
+
+def test_a_job_due_away_from_its_first_due_time_is_found_after_a_checkpoint(
+    own_topology, run_worker, records, monkeypatch
+):
+    """A look-up reads the pages of the due time a job's id carries: a retry due later,
+    and rows past the second page of jobs due at one millisecond, are on the
+    checkpoint's away pages, and found there."""
+    from deferred.core import ledger_index
+
+    monkeypatch.setattr(ledger_index, "ROWS_PER_PAGE", 1)  # a page per row
+    settings = get_settings()
+    retried = defer(late_retry, 0.2, records, "retried", 1)
+    between = [defer(record, 10 + n, records, f"b{n}") for n in range(3)]
+    at = datetime.now(UTC) + timedelta(seconds=50)
+    crowd = deferred.defer_many([(record, at, (records, f"c{n}")) for n in range(4)])
+    worker = run_worker()
+    assert wait_for(lambda: worker.outcomes["retrying"] == 1, 10)
+    worker.stop()
+    head = checkpoints.write(settings, timeout=30)
+    assert head.rows == 8 and len(head.pages) == 8
+    # Pages b0 b1 b2 retry c c c c: the retry (its id says pages 0 and 1) and the crowd's
+    # last two (its ids say pages 4 and 5).
+    assert sum(a.rows for a in head.away) == 3
+    checkpoints.forget(settings)
+    for job_id in [retried, *between, *crowd]:
+        found = changes.look(settings, job_id)
+        assert found.state == "pending" and found.job is not None, (job_id, found)
+    assert changes.look(settings, retried).job.attempt == 2  # its retry
+    assert changes.look(settings, new_job_id(at)).state == "unknown"
+    # And so it can be moved: the retry runs now, once.
+    run_now(retried)
+    again = run_worker()
+    assert wait_for(lambda: again.outcomes["succeeded"] == 1, 10)
+    assert [r["attempt"] for r in read_records(records) if r["label"] == "retried"] == [1, 2]
 
 
 def test_the_keeper_writes_checkpoints(own_topology, run_worker, records, monkeypatch):

@@ -112,6 +112,12 @@ def patient_flaky(path: str, label: str, failures: int) -> None:
     flaky.func(path, label, failures)
 
 
+@task(name="tests.late_retry", max_retries=1, retry_backoff=[30.0])
+def late_retry(path: str, label: str, failures: int) -> None:
+    """flaky with its retry due well after its first due time."""
+    flaky.func(path, label, failures)
+
+
 @task(name="tests.always_fails", max_retries=2, retry_backoff=[0.1])
 def always_fails(path: str, label: str) -> None:
     _append(path, label=label, event="attempt", attempt=_attempt())
