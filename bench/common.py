@@ -92,9 +92,41 @@ def broker_pids(urls: Iterable[str]) -> list[int]:
 
 
 def broker_pid() -> int | None:
-    """The RabbitMQ (Erlang VM) process of the broker the benchmarks use, if it runs here."""
+    """The RabbitMQ (Erlang VM) process of the broker the benchmarks use, if it runs here.
+
+    Under ``scripts/rabbitmq-release.sh VERSION run``, the release's node and the
+    system broker both listen on 5672 (in network namespaces of their own): the
+    broker's own ``rabbitmqctl`` (the release's, first on PATH there) says which."""
     pids = broker_pids([BROKER_URL])
+    if len(pids) > 1:
+        try:
+            found = subprocess.run(
+                ["rabbitmqctl", "eval", "list_to_integer(os:getpid())."],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
+            if found.returncode == 0 and int(found.stdout.strip()) in pids:
+                return int(found.stdout.strip())
+        except (OSError, subprocess.SubprocessError, ValueError):
+            pass
     return pids[0] if pids else None
+
+
+def broker_data_dir() -> Path | None:
+    """The broker's data directory (its ``rabbitmqctl`` says which), if this process
+    can read it."""
+    try:
+        found = subprocess.run(
+            ["rabbitmqctl", "eval", "rabbit_mnesia:dir()."],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    path = Path(found.stdout.strip().strip('"'))
+    return path if found.returncode == 0 and (path / "stream").is_dir() else None
 
 
 def cpu_seconds(pid: int | None) -> float:

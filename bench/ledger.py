@@ -14,6 +14,9 @@ thirty days (nothing comes due), the keeper's checkpoint written
 
 Beside them, in the same run: the broker's raw confirmed publish rate (``bench.raw``),
 the limit the defers ran against.
+
+Another release: ``scripts/rabbitmq-release.sh 4.3 run -- python -m bench.ledger``
+(the broker's own ``rabbitmqctl`` says which VM and data folder to measure).
 """
 
 from __future__ import annotations
@@ -26,12 +29,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import Config, broker_pid, percentile, rss_mb, topology
+from bench.common import Config, broker_data_dir, broker_pid, percentile, rss_mb, topology
 from bench.tasks import noop
 from deferred import defer_many, pending
 from deferred.conf import get_settings
 from deferred.records import changes, checkpoints
 
+#: The system broker's data folder, where its rabbitmqctl cannot say.
 DATA = Path("/var/lib/rabbitmq/mnesia")
 
 
@@ -42,19 +46,20 @@ def _du_mb(*paths: Path) -> float:
     return int(found.stdout.splitlines()[-1].split()[0]) / 1e6
 
 
-def _streams_of(prefix: str) -> list[Path]:
+def _streams_of(data: Path, prefix: str) -> list[Path]:
     """The data folders of this topology's streams (named after their queue)."""
-    return [p for p in DATA.glob("*/stream/*") if prefix in p.name]
+    return [p for p in [*data.glob("stream/*"), *data.glob("*/stream/*")] if prefix in p.name]
 
 
 def run(count: int, looks: int) -> dict[str, Any]:
     rng = random.Random(7)
     pid = broker_pid()
-    out: dict[str, Any] = {"pending": count}
+    data = broker_data_dir() or DATA
+    out: dict[str, Any] = {"pending": count, "broker_pid": pid, "data": str(data)}
     with topology(Config()) as (prefix, _plan):
         settings = get_settings()
         out["broker_rss_mb_before"] = rss_mb(pid) if pid else float("nan")
-        out["broker_disk_mb_before"] = _du_mb(DATA)
+        out["broker_disk_mb_before"] = _du_mb(data)
         ids: list[str] = []
         start = time.perf_counter()
         for first in range(0, count, 2000):
@@ -88,8 +93,8 @@ def run(count: int, looks: int) -> dict[str, Any]:
         checkpoints.write(settings, timeout=1800)
         out["checkpoint_again_s"] = time.perf_counter() - start
         out["broker_rss_mb_after"] = rss_mb(pid) if pid else float("nan")
-        out["broker_disk_mb_after"] = _du_mb(DATA)
-        streams = _streams_of(prefix)
+        out["broker_disk_mb_after"] = _du_mb(data)
+        streams = _streams_of(data, prefix)
         by_name = {p.name: _du_mb(p) for p in streams}
         out["streams_mb"] = by_name
         out["disk_bytes_per_job"] = (

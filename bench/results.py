@@ -77,7 +77,7 @@ from typing import Any
 import pika
 import pika.exceptions
 
-from bench.common import BROKER_URL, broker_pids, cpu_seconds, percentile
+from bench.common import BROKER_URL, broker_data_dir, broker_pids, cpu_seconds, percentile
 from deferred.broker.results import READ_CREDIT
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -472,21 +472,6 @@ def stats(values: list[float]) -> dict[str, float]:
 # ---------------------------------------------------------------------- the broker
 
 
-def _data_dir() -> Path | None:
-    """The broker's data directory, if this process can read it."""
-    try:
-        found = subprocess.run(
-            ["rabbitmqctl", "eval", "rabbit_mnesia:dir()."],
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    path = Path(found.stdout.strip().strip('"'))
-    return path if found.returncode == 0 and (path / "stream").is_dir() else None
-
-
 def stream_disk(stream: str, base: Path | None) -> dict[str, Any] | None:
     """The stream's files on disk: bytes, segments, and each segment's first offset
     (``None`` where the broker's data directory cannot be read)."""
@@ -820,7 +805,7 @@ def part_lookup(args: argparse.Namespace) -> dict[str, Any]:
     from bench.capacity import WARM_UP_RATE, WARM_UP_S, Checkout, Point
 
     out: dict[str, Any] = {"raw": raw_limits(args.raw)}
-    base = _data_dir()
+    base = broker_data_dir()
     work = Path(tempfile.mkdtemp(prefix="deferred-results-"))
     extra: dict[str, Any] = {}
     if args.cache:
@@ -1009,7 +994,7 @@ def part_day(args: argparse.Namespace) -> dict[str, Any]:
     from deferred.records.result_format import CLOCK_SLACK_S
 
     out: dict[str, Any] = {"raw": raw_limits(args.raw)}
-    base = _data_dir()
+    base = broker_data_dir()
     checkpoints: list[dict[str, Any]] = []
     with topology(Config()) as (_prefix, plan):
         settings = get_settings()
