@@ -54,9 +54,11 @@ def _streams_of(data: Path, prefix: str) -> list[Path]:
 def run(count: int, looks: int) -> dict[str, Any]:
     rng = random.Random(7)
     pid = broker_pid()
-    data = broker_data_dir() or DATA
-    out: dict[str, Any] = {"pending": count, "broker_pid": pid, "data": str(data)}
+    out: dict[str, Any] = {"pending": count, "broker_pid": pid}
     with topology(Config()) as (prefix, _plan):
+        # After the declare: a node's data folder has no streams before its first one.
+        data = broker_data_dir() or DATA
+        out["data"] = str(data)
         settings = get_settings()
         out["broker_rss_mb_before"] = rss_mb(pid) if pid else float("nan")
         out["broker_disk_mb_before"] = _du_mb(data)
