@@ -282,6 +282,10 @@ def measure(
         if logs is not None and point.log.exists():
             slug = checkout.name.split()[0]
             shutil.copy(point.log, logs / f"{slug}-{rate:.0f}-{point.prefix}.log")
+        if logs is not None and point.seen.exists():
+            # When each job ran and was due (id, epoch seconds, epoch seconds).
+            slug = checkout.name.split()[0]
+            shutil.copy(point.seen, logs / f"{slug}-{rate:.0f}-{point.prefix}.seen")
         shutil.rmtree(work, ignore_errors=True)
     ran: dict[str, list[float]] = {}
     for job_id, at, due in rows:
@@ -404,7 +408,9 @@ def main() -> None:
         action="store_true",
         help="also Celery's native delayed delivery at each rate (pip install celery)",
     )
-    parser.add_argument("--logs", type=Path, help="keep the workers' logs here")
+    parser.add_argument(
+        "--logs", type=Path, help="keep the workers' logs and when each job ran here"
+    )
     parser.add_argument("--profile", type=Path, help="folder for py-spy flame graphs")
     parser.add_argument("--out", type=Path, help="write the points as JSON here")
     args = parser.parse_args()

@@ -34,7 +34,7 @@ checkpoint of that year, and in the ledger stream only as long as its records
 are carried (:func:`deferred.core.ledger.to_carry`). Without a checkpoint (a
 topology where no worker has run yet) a listing reads the whole ledger.
 
-What a row costs: about 100 bytes compressed on disk per pending job in each
+What a row costs: about 35 bytes compressed on disk per pending job in each
 checkpoint kept (rows of one task compress well), and nothing in broker
 memory: a stream keeps its messages on disk.
 

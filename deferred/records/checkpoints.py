@@ -194,11 +194,13 @@ def read_tail(
     after: int,
     *,
     known: Known | None = None,
+    pace: Callable[[], None] | None = None,
 ) -> tuple[list[Waiting], Known | None]:
     """The job records of the ledger after offset ``after`` (-1: all), in stream order, as
     rows; and the last message read (``known`` if none). With ``known`` (the last
     message an earlier read saw), the read starts at it, and returns ``None`` in place
-    of the rows if it is not there any more (the stream was deleted and declared again)."""
+    of the rows if it is not there any more (the stream was deleted and declared again).
+    ``pace``: called at each message (a checkpoint's reads keep to a rate with it)."""
     plan = _plan(settings)
     assert plan.ledger_queue is not None
     keys = settings.signing_keys if settings.signing else None
@@ -207,6 +209,8 @@ def read_tail(
     reader = _Reader(known)
 
     def on_message(offset: int, body: bytes, headers: dict[str, Any]) -> bool:
+        if pace is not None:
+            pace()
         if not reader.see(offset, body):
             return reader.gone
         if not body or body[:1] != b"{":
@@ -228,6 +232,8 @@ def read_tail(
         marker=(plan.ingest_exchange, LEDGER_ROUTING_KEY, result_format.encode_marker(token)),
         is_marker=result_format.marker_of,
         first_within=None if after < 0 and known is None else KNOWN_WAIT_S,
+        # Paced, in small bursts: the broker sends a read's credit at once.
+        credit=2000 if pace is None else PACED_CREDIT,
     ):
         reader.gone = True
     return (None if reader.gone else rows), reader.last  # type: ignore[return-value]
@@ -331,6 +337,7 @@ def read_state(
     *,
     cached: bool = True,
     whole: bool = False,
+    pace: Callable[[], None] | None = None,
 ) -> State:
     """The newest checkpoint's head, the ledger's tail after it, and the cancels (read at
     the same time, on a connection of their own).
@@ -345,7 +352,9 @@ def read_state(
         # ``whole``: without the checkpoint (its pages gone), the ledger from its start.
         cancels = in_parallel(read_cancels_alone, settings, session.timeout)
         head = None if whole else latest_head(settings, session)
-        tail, last = read_tail(settings, session, -1 if head is None else head.ledger_offset)
+        tail, last = read_tail(
+            settings, session, -1 if head is None else head.ledger_offset, pace=pace
+        )
         view = cancels.result()
         if tail is None:
             raise Stale("The ledger has nothing where its newest checkpoint says it read to.")
@@ -418,6 +427,9 @@ def cached_head(settings: DeferredSettings) -> Head | None:
     return None if follow is None else follow.head
 
 
+#: Messages a paced read of the ledger lets the broker send ahead of its acks.
+PACED_CREDIT = 100
+
 #: How long a process takes the head it read for the newest.
 HEAD_TTL_S = 5.0
 
@@ -481,7 +493,12 @@ T = TypeVar("T")
 
 
 def read_results(
-    settings: DeferredSettings, state: State, since_ms: int, *, timeout: float
+    settings: DeferredSettings,
+    state: State,
+    since_ms: int,
+    *,
+    timeout: float,
+    pace: Callable[[], None] | None = None,
 ) -> None:
     """Add to ``state`` the results written from ``since_ms`` on (not earlier than the
     checkpoint saw them, less a margin); nothing for a read already as early."""
@@ -492,7 +509,7 @@ def read_results(
     if state.results_from_ms is not None and state.results_from_ms <= since_ms:
         return
     since = datetime.fromtimestamp(since_ms / 1000, UTC)
-    if not each_record(settings, since, state.starts.add, timeout=timeout):
+    if not each_record(settings, since, state.starts.add, timeout=timeout, pace=pace):
         raise broker.BrokerUnavailable(
             f"Reading the results from {since.isoformat()} took more than {timeout:g} s."
         )
@@ -506,12 +523,13 @@ def pending_rows(
     *,
     timeout: float,
     started_from_ms: int | None,
+    pace: Callable[[], None] | None = None,
 ) -> Iterator[Waiting]:
     """The pending rows, soonest first: ``base`` (a checkpoint's rows in order, or none)
     folded with ``state``. ``started_from_ms``: the earliest due time among the rows
     that may have started, for the results read (``None``: none is due yet)."""
     if started_from_ms is not None:
-        read_results(settings, state, started_from_ms, timeout=timeout)
+        read_results(settings, state, started_from_ms, timeout=timeout, pace=pace)
     view = state.view
     return fold(
         base,
@@ -523,24 +541,34 @@ def pending_rows(
     )
 
 
-def write(settings: DeferredSettings, *, timeout: float) -> Head:
+def write(
+    settings: DeferredSettings, *, timeout: float, pace: Callable[[], None] | None = None
+) -> Head:
     """Fold the newest checkpoint, the ledger's tail and the other streams into the next
-    checkpoint, and write it (the keeper's, every ``CHECKPOINT_EVERY_S`` or so)."""
+    checkpoint, and write it (the keeper's, every ``CHECKPOINT_EVERY_S`` or so).
+
+    ``pace``: called at each ledger and results message read, to keep the
+    reads to a rate (``deferred.worker.checkpointing``): the broker sends a stream
+    as fast as it is read, and a burst of it delays the jobs' own traffic."""
     deadline = _Deadline(timeout)
     made_ms = int(time.time() * 1000)
     with io.StreamSession(settings.broker_urls, timeout=timeout) as session:
-        return _write(settings, session, deadline, made_ms)
+        return _write(settings, session, deadline, made_ms, pace)
 
 
 def _write(
-    settings: DeferredSettings, session: io.StreamSession, deadline: _Deadline, made_ms: int
+    settings: DeferredSettings,
+    session: io.StreamSession,
+    deadline: _Deadline,
+    made_ms: int,
+    pace: Callable[[], None] | None,
 ) -> Head:
     try:
-        state = read_state(settings, session, cached=False)
+        state = read_state(settings, session, cached=False, pace=pace)
     except Stale:
         # The checkpoint's pages are gone (retention) or were never there: from the
         # whole ledger.
-        state = read_state(settings, session, cached=False, whole=True)
+        state = read_state(settings, session, cached=False, whole=True, pace=pace)
     plan = _plan(settings)
     assert plan.ledger_pages_queue is not None and plan.ledger_heads_queue is not None
     head = state.head
@@ -564,6 +592,7 @@ def _write(
             base(),
             timeout=deadline.left(),
             started_from_ms=None if earliest is None else earliest - RESULTS_MARGIN_MS,
+            pace=pace,
         )
     )
     token = uuid.uuid4().hex

@@ -362,13 +362,17 @@ def each_record(
     on_record: Callable[[dict[str, Any]], None],
     *,
     timeout: float,
+    pace: Callable[[], None] | None = None,
 ) -> bool:
     """Hand ``on_record`` every record written from ``since`` on, up to the end of the
     stream; ``False`` if that took more than ``timeout`` (the records read so far
-    were handed over)."""
+    were handed over). ``pace``: called at each message (a checkpoint's reads keep
+    to a rate with it)."""
     keys = settings.signing_keys if settings.signing else None
 
     def on_message(body: bytes, headers: dict[str, Any]) -> bool:
+        if pace is not None:
+            pace()
         for record in decode(body, headers, keys):
             on_record(record)
         return False

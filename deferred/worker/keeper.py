@@ -30,9 +30,10 @@ token in ``PREFIX.keeper``, as for the scheduler) keeps the ledger
   :data:`MAX_POSTPONE_MS`): a job still waiting there would read as lost.
 - **"Up at" markers**, every :data:`ALIVE_EVERY_S`, in the ledger: where a
   restart window starts when no keeper saw the broker go.
-- **Checkpoints**, every :data:`CHECKPOINT_EVERY_S` or so, in a thread of their
-  own (:mod:`deferred.core.ledger_index`): the pending jobs, sorted by due time,
-  for listings to read without the whole ledger. A checkpoint that took ``d``
+- **Checkpoints**, every :data:`CHECKPOINT_EVERY_S` or so, in a process of their
+  own (:mod:`deferred.core.ledger_index`, :mod:`deferred.worker.checkpointing`):
+  the pending jobs, sorted by due time, for listings to read without the whole
+  ledger. A checkpoint that took ``d``
   seconds waits ``CHECKPOINT_COST_FACTOR * d`` before the next one, so that a
   worker spends a bounded share of its time on them with many jobs pending.
 - **Carrying records forward**, every :data:`CARRY_EVERY_S`: the record of a
@@ -61,8 +62,9 @@ from deferred import broker
 from deferred.broker.ledger import EXCHANGE, PRIORITY, ROUTING_KEY
 from deferred.conf import DeferredSettings
 from deferred.core import ledger, notices
+from deferred.core.ledger_index import Head
 from deferred.core.topology import LEDGER_CHECKPOINTS_KEEP_MS, LEDGER_KEEP_MS, Plan, plan_topology
-from deferred.records import checkpoints
+from deferred.worker import checkpointing
 
 logger = logging.getLogger("deferred.keeper")
 
@@ -72,11 +74,12 @@ ALIVE_EVERY_S = 5.0
 #: deferred.records.pending reads it too).
 CARRY_EVERY_S = ledger.CARRY_EVERY_S
 #: How often the keeper writes a checkpoint of the pending jobs, at most; the first
-#: one soon after it takes the lease.
+#: one half a minute after it takes the lease (a worker restarted finds the last
+#: keeper's checkpoint, and a topology's first minute has little to fold).
 CHECKPOINT_EVERY_S = 60.0
-CHECKPOINT_FIRST_S = 5.0
-#: A checkpoint that took d seconds is followed by the next one no sooner than this
-#: many times d later: at most a tenth of a core.
+CHECKPOINT_FIRST_S = 30.0
+#: A checkpoint that took d seconds of CPU is followed by the next one no sooner than
+#: this many times d later: at most a tenth of a core.
 CHECKPOINT_COST_FACTOR = 10.0
 #: How long one checkpoint may take.
 CHECKPOINT_TIMEOUT_S = 600.0
@@ -248,6 +251,8 @@ class Keeper:
         self._next_carry = 0.0
         self._next_checkpoint = 0.0
         self._checkpointing: threading.Thread | None = None
+        #: The last two checkpoints this keeper wrote (the pace of the next one's reads).
+        self._heads: tuple[Head | None, Head | None] = (None, None)
         #: Set after each checkpoint written (tests and the bench wait on it).
         self.checkpointed = threading.Event()
         #: Off when the worker must end at once (a job given up at its hard time limit).
@@ -344,8 +349,8 @@ class Keeper:
         if not self._next_checkpoint:
             self._next_checkpoint = now + CHECKPOINT_FIRST_S
         elif now >= self._next_checkpoint and self._checkpointing is None:
-            # In a thread: a checkpoint of many jobs takes longer than the lease's
-            # heartbeats may wait.
+            # Waited on in a thread: a checkpoint of many jobs takes longer than the
+            # lease's heartbeats may wait.
             self._checkpointing = threading.Thread(
                 target=self._checkpoint, name="deferred-checkpoint", daemon=True
             )
@@ -354,14 +359,26 @@ class Keeper:
 
     def _checkpoint(self) -> None:
         started = time.monotonic()
+        took: float | None = None
         try:
-            checkpoints.write(self.settings, timeout=CHECKPOINT_TIMEOUT_S)
+            written = checkpointing.write_aside(
+                self.settings,
+                timeout=CHECKPOINT_TIMEOUT_S,
+                per_s=checkpointing.read_rate(self._heads[0], self._heads[1]),
+            )
+            self._heads = (self._heads[1], written.head)
+            # Its cost is the CPU it took: its reads are paced, and wait.
+            took = written.cpu_s
             self.checkpointed.set()
-        except broker.BrokerError as exc:
-            logger.warning("Could not write the ledger's checkpoint: %s", exc)
+        except (broker.BrokerError, checkpointing.CheckpointFailed) as exc:
+            if self._stop.is_set():  # stopping: its process went with the worker
+                logger.debug("The ledger's checkpoint was cut short: %s", exc)
+            else:
+                logger.warning("Could not write the ledger's checkpoint: %s", exc)
         except Exception:  # the keeper must never take the worker down
             logger.exception("Could not write the ledger's checkpoint.")
-        took = time.monotonic() - started
+        if took is None:
+            took = time.monotonic() - started
         # Never so late that the newest checkpoint's pages are past their retention.
         self._next_checkpoint = time.monotonic() + min(
             max(CHECKPOINT_EVERY_S, CHECKPOINT_COST_FACTOR * took),

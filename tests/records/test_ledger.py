@@ -316,6 +316,31 @@ def test_the_keeper_writes_checkpoints(own_topology, run_worker, records, monkey
     assert ids(pending()) == [job]
 
 
+def test_a_checkpoint_is_written_in_a_process_of_its_own_and_says_why_it_failed(
+    own_topology, monkeypatch
+):
+    from dataclasses import replace
+
+    from deferred.worker import checkpointing
+
+    settings = get_settings()
+    job = defer(record, 60, "unused", "waits")
+    written = checkpointing.write_aside(settings, timeout=30)
+    head = written.head
+    assert head.rows == 1 and written.cpu_s > 0
+    with StreamSession(settings.broker_urls, timeout=10) as session:
+        assert checkpoints.latest_head(settings, session) == head
+    assert ids(pending()) == [job]
+    # A broker that does not answer: the child says so, as BrokerUnavailable.
+    nowhere = replace(settings, broker_urls=("amqp://guest:guest@127.0.0.1:1/%2F",))
+    with pytest.raises(deferred.BrokerUnavailable):
+        checkpointing.write_aside(nowhere, timeout=5)
+    # Settings made in code, no module to set Django up from: on this thread.
+    monkeypatch.delenv("DJANGO_SETTINGS_MODULE")
+    again = checkpointing.write_aside(settings, timeout=30).head
+    assert again.rows == 1 and again.token != head.token
+
+
 def test_a_worker_killed_mid_job_leaves_exactly_the_pending_jobs_listed(
     own_topology, worker_process, records
 ):
