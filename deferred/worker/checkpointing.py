@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 from deferred import broker
+from deferred.broker import ledger_index as ledger_io
 from deferred.conf import DeferredSettings
 from deferred.core.ledger_index import Head
 from deferred.records import checkpoints
@@ -166,6 +167,9 @@ def _child(settings: DeferredSettings, timeout: float, per_s: float, send: Conne
         import django
 
         django.setup()
+        # Spare connections speed look-ups up; one checkpoint needs none, and each is a
+        # connection for the broker to open and close.
+        ledger_io.SPARES = 0
         head = checkpoints.write(settings, timeout=timeout, pace=Pace(per_s))
         send.send(("head", head.encode(), time.process_time()))
     except broker.BrokerError as exc:
