@@ -90,13 +90,14 @@ def _look(
     started = time.monotonic()
     first_due = due_ms_of(job_id)
     with ledger_io.StreamSession(settings.broker_urls, timeout=timeout) as session:
-        # The page of the job's first due time, beside the head's tail and the cancels.
+        # The page of the job's first due time (or the away page of an id without
+        # one), beside the head's tail and the cancels.
         head = None if whole else checkpoints.cached_head(settings)
         page = (
             checkpoints.in_parallel(
                 checkpoints.find_row_alone, settings, head, job_id, first_due, timeout
             )
-            if head is not None and first_due is not None
+            if head is not None
             else None
         )
         state = checkpoints.read_state(settings, session, whole=whole)
@@ -104,7 +105,7 @@ def _look(
         if page is not None and state.head is not head:
             page.cancel()  # the head changed meanwhile: its own page
             page = None
-        if page is None and state.head is not None and first_due is not None:
+        if page is None and state.head is not None:
             page = checkpoints.in_parallel(
                 checkpoints.find_row_alone, settings, state.head, job_id, first_due, timeout
             )

@@ -157,11 +157,16 @@ def _read_run(
 
 
 def find_row(
-    settings: DeferredSettings, session: io.StreamSession, head: Head, job_id: str, due_ms: int
+    settings: DeferredSettings,
+    session: io.StreamSession,
+    head: Head,
+    job_id: str,
+    due_ms: int | None,
 ) -> Waiting | None:
     """The row of ``job_id`` in ``head``'s checkpoint: on the pages that may hold a job
     due at ``due_ms`` (rows due at one millisecond may straddle two), else on the away
-    page of its id (``deferred.core.ledger_index.away_rows``)."""
+    page of its id (``deferred.core.ledger_index.away_rows``; only there for an id
+    without a due time, ``due_ms`` None)."""
     plan = _plan(settings)
     assert plan.ledger_pages_queue is not None
     offsets = [head.pages[i].offset for i in head.pages_of(due_ms)]
@@ -181,7 +186,7 @@ def find_row(
 
 
 def find_row_alone(
-    settings: DeferredSettings, head: Head, job_id: str, due_ms: int, timeout: float
+    settings: DeferredSettings, head: Head, job_id: str, due_ms: int | None, timeout: float
 ) -> Waiting | None:
     """:func:`find_row` on a connection of its own."""
     with io.StreamSession(settings.broker_urls, timeout=timeout) as session:

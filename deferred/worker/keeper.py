@@ -365,6 +365,7 @@ class Keeper:
                 self.settings,
                 timeout=CHECKPOINT_TIMEOUT_S,
                 per_s=checkpointing.read_rate(self._heads[0], self._heads[1]),
+                stop=self._stop,
             )
             self._heads = (self._heads[1], written.head)
             # Its cost is the CPU it took: its reads are paced, and wait.

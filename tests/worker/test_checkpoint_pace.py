@@ -2,27 +2,59 @@
 
 from __future__ import annotations
 
-import time
+import pytest
 
 from deferred.core.ledger_index import Head
 from deferred.worker.checkpointing import READ_PER_S, Pace, read_rate
 
 
-def test_the_pace_keeps_calls_to_their_rate_on_average():
-    pace = Pace(10_000)
-    started = time.monotonic()
-    for _ in range(3_000):
+class Clock:
+    """Time that passes only when told to (each call read, each sleep)."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+        self.sleeps: list[float] = []
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+
+def test_a_fast_reader_is_held_to_the_rate():
+    clock = Clock()
+    pace = Pace(1_000, clock=clock, sleep=clock.sleep)
+    for _ in range(Pace.EVERY * 4):
+        pace()  # no time passes: reading is free here
+    # Four batches of 50 at 1,000 a second: 0.2 s, slept a batch at a time.
+    assert clock.now - 100.0 == pytest.approx(0.2, rel=1e-3)
+    assert len(clock.sleeps) == 4 and pace.slept == pytest.approx(0.2, rel=1e-3)
+
+
+def test_a_reader_slower_than_the_rate_never_sleeps_and_saves_nothing_up():
+    clock = Clock()
+    pace = Pace(1_000, clock=clock, sleep=clock.sleep)
+    for _ in range(Pace.EVERY * 3):
+        clock.now += 0.002  # 500 a second
         pace()
-    took = time.monotonic() - started
-    # 3,000 calls at 10,000 a second: never sooner than 0.3 s.
-    assert took >= 0.3 - 1e-3 and pace.slept > 0.2
-
-
-def test_a_reader_slower_than_the_rate_never_sleeps():
-    pace = Pace(1_000_000)
+    assert clock.sleeps == []
+    # Ten seconds away from reading (a connection, the fold): no burst after it.
+    clock.now += 10
     for _ in range(Pace.EVERY * 3):
         pace()
-    assert pace.slept < 0.01
+    # The first batch after it starts at once; the next two keep to the rate (which
+    # has grown a little in those ten seconds).
+    assert sum(clock.sleeps) == pytest.approx(2 * Pace.EVERY / pace.rate(clock.now), rel=0.01)
+
+
+def test_the_rate_doubles_as_a_read_goes_on():
+    clock = Clock()
+    pace = Pace(1_000, clock=clock, sleep=clock.sleep)
+    assert pace.rate(clock.now) == 1_000
+    assert pace.rate(clock.now + Pace.DOUBLE_EVERY_S) == 2_000
+    assert pace.rate(clock.now + 5 * Pace.DOUBLE_EVERY_S) == 32_000
 
 
 def test_the_next_checkpoint_reads_twice_as_fast_as_the_ledger_grew():
