@@ -33,7 +33,9 @@ def key() -> str:
     return f"test:{uuid.uuid4().hex[:8]}"
 
 
-def test_a_thousand_keyed_jobs_over_fifty_keys_run_exactly_the_latest_of_each(run_worker, records):
+def test_a_thousand_keyed_jobs_over_fifty_keys_run_exactly_the_latest_of_each(
+    own_topology, run_worker, records
+):
     # Given 20 jobs for each of 50 keys, due 1 to 3 s from now in random order,
     # deferred through defer(), Task.defer(), defer_many() and adefer()
     keys = [key() for _ in range(50)]
@@ -155,7 +157,7 @@ def test_a_forged_keyed_job_in_the_stream_supersedes_nothing(run_worker, records
     assert any(f"keyed job {forged.job.id}" in m for m in caplog.messages)
 
 
-def test_jobs_without_a_key_are_never_superseded(run_worker, records):
+def test_jobs_without_a_key_are_never_superseded(own_topology, run_worker, records):
     k = key()
     run_worker()
     defer(record, 0.3, records, "plain")
