@@ -99,34 +99,32 @@ def broker_pid() -> int | None:
     broker's own ``rabbitmqctl`` (the release's, first on PATH there) says which."""
     pids = broker_pids([BROKER_URL])
     if len(pids) > 1:
-        try:
-            found = subprocess.run(
-                ["rabbitmqctl", "eval", "list_to_integer(os:getpid())."],
-                capture_output=True,
-                text=True,
-                timeout=30,
-            )
-            if found.returncode == 0 and int(found.stdout.strip()) in pids:
-                return int(found.stdout.strip())
-        except (OSError, subprocess.SubprocessError, ValueError):
-            pass
+        said = _rabbitmqctl_eval("list_to_integer(os:getpid()).")
+        if said is not None and said.isdigit() and int(said) in pids:
+            return int(said)
     return pids[0] if pids else None
 
 
 def broker_data_dir() -> Path | None:
     """The broker's data directory (its ``rabbitmqctl`` says which), if this process
     can read it."""
+    said = _rabbitmqctl_eval("rabbit_mnesia:dir().")
+    if said is None:
+        return None
+    path = Path(said.strip('"'))
+    return path if (path / "stream").is_dir() else None
+
+
+def _rabbitmqctl_eval(expression: str) -> str | None:
+    """What the broker's ``rabbitmqctl eval`` prints for ``expression``; ``None`` if it
+    cannot be asked or fails."""
     try:
         found = subprocess.run(
-            ["rabbitmqctl", "eval", "rabbit_mnesia:dir()."],
-            capture_output=True,
-            text=True,
-            timeout=30,
+            ["rabbitmqctl", "eval", expression], capture_output=True, text=True, timeout=30
         )
     except (OSError, subprocess.SubprocessError):
         return None
-    path = Path(found.stdout.strip().strip('"'))
-    return path if found.returncode == 0 and (path / "stream").is_dir() else None
+    return found.stdout.strip() if found.returncode == 0 else None
 
 
 def cpu_seconds(pid: int | None) -> float:
